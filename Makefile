@@ -1,0 +1,54 @@
+# kubeinfer — every target sets up what it needs. See README.md.
+SHELL := /usr/bin/env bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CACHE := $(HOME)/.cache/kubeinfer
+TIMED := hack/timed.sh
+MODEL_DIR := .cache/models/smollm2-135m
+# pip's own cache (~/.cache/pip) serves torch's several-GB wheels on a warm machine.
+VENV_STAMP := $(VENV)/.kubeinfer-installed
+
+.PHONY: help venv model demo test lint pytest bench clean
+
+help:
+	@echo "make demo    - set up and run the demo"
+	@echo "make test    - set up and run every test (ruff + pytest)"
+	@echo "make model   - SmolLM2-135M-Instruct in HF format under $(MODEL_DIR)"
+	@echo "make bench   - run the benchmarks in bench/"
+	@echo "make lint    - ruff"
+
+$(VENV_STAMP): pyproject.toml
+	@$(TIMED) venv bash -c '\
+	  set -e; [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
+	  $(PIP) install -q --upgrade pip "setuptools>=69" wheel; \
+	  $(PIP) install -q -e ".[test]"'
+	@touch $@
+
+venv: $(VENV_STAMP)
+
+# The converted model is cached under ~/.cache/kubeinfer/models and linked into .cache/models.
+model: venv
+	@$(TIMED) model $(PY) hack/make_model.py --cache $(CACHE)/models --out $(MODEL_DIR)
+
+demo: venv model
+	@$(TIMED) demo $(VENV)/bin/kubeinfer generate --model $(MODEL_DIR) --max-tokens 32 \
+	  "What is the capital of France?"
+
+lint: venv
+	@$(TIMED) ruff $(VENV)/bin/ruff check .
+
+# pytest exits 5 when no test ran: that is a failure here, never a silent pass.
+pytest: venv model
+	@$(TIMED) pytest $(PY) -m pytest -q
+
+test: lint pytest
+
+bench: venv model
+	@$(TIMED) bench-loader $(PY) bench/loader.py
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Triton kernels with pure-torch references."""

@@ -1,0 +1,3 @@
+from kubeinfer.cli import app
+
+app()

@@ -1,0 +1,20 @@
+"""The `kubeinfer` command: one typer app, each component adds its own sub-commands."""
+
+from __future__ import annotations
+
+import typer
+
+from kubeinfer.devcluster.cli import app as dev_app
+from kubeinfer.runtime.cli import register as register_runtime
+
+app = typer.Typer(help="kubeinfer: LLM inference on Kubernetes.", no_args_is_help=True)
+app.add_typer(dev_app, name="dev", help="The dev cluster: a real control plane on one machine.")
+register_runtime(app)
+
+
+@app.command()
+def version() -> None:
+    """Print kubeinfer's version."""
+    from kubeinfer import __version__
+
+    typer.echo(__version__)

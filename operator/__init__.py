@@ -1,0 +1,1 @@
+"""The kubeinfer operator (kopf)."""

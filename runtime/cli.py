@@ -1,0 +1,64 @@
+"""`kubeinfer generate` (the engine and server issues add `serve`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from kubeinfer.runtime.errors import KubeinferError
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+logger = logging.getLogger(__name__)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the runtime's commands to the root app."""
+    app.command()(generate)
+
+
+def load_with_progress(model_dir: Path, dtype: str, device: str, console: Console):  # noqa: ANN201
+    """Load the model with a progress bar (on stderr) of bytes streamed in."""
+    from kubeinfer.runtime.loader import load_model
+
+    columns = (TextColumn("loading"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("weights", total=None)
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        return load_model(model_dir, dtype=dtype, device=device, on_progress=on_progress)
+
+
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: Path = typer.Option(..., "--model", help="Model folder (HF format, safetensors)."),
+    max_tokens: int = typer.Option(64, min=1, help="Most tokens to generate."),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16 | float16"),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N"),
+    chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
+) -> None:
+    """Generate a greedy completion of PROMPT, streamed to stdout."""
+    from kubeinfer.runtime.greedy import greedy_tokens
+    from kubeinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    logging.basicConfig(level=logging.WARNING)
+    console = Console(stderr=True)
+    try:
+        tokenizer = Tokenizer.from_dir(model)
+        llm = load_with_progress(model, dtype, device, console)
+        if chat and tokenizer.chat_template:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        else:
+            prompt_ids = tokenizer.encode(prompt)
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        for token in greedy_tokens(llm, prompt_ids, max_tokens, tokenizer.eos_token_ids):
+            sys.stdout.write(detok.push([token]))
+            sys.stdout.flush()
+        sys.stdout.write(detok.flush() + "\n")
+    except (KubeinferError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None

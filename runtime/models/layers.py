@@ -1,0 +1,105 @@
+"""The building blocks of a Llama-family decoder, on flat token batches `[num_tokens, ...]`.
+
+Every module works on the step's tokens laid end to end (no padding, no batch dimension), which
+is the layout the engine's paged attention consumes too. The numerics follow transformers' so
+that float32 logits agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from kubeinfer.runtime.models.config import ModelConfig, RopeConfig
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as transformers)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with linear or llama3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band
+        # between low_freq_factor and high_freq_factor interpolated smoothly.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding from a cos/sin cache `[max_positions, head_dim]`.
+
+    The cache is not a parameter: `materialize(device)` computes it once the module has real
+    storage (the model is built on the meta device).
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    def materialize(self, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
+        t = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (max_positions, head_dim / 2)
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (T, H, D), k: (T, Hkv, D), positions: (T,)
+        assert self.cos_sin_cache is not None, "materialize() was not called"
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # (T, D/2) each
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one projection: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,163 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) in plain torch.
+
+Parameter names follow the HF checkpoints except for two fusions: `self_attn.qkv_proj` holds
+q, k and v stacked along the output dimension, and `mlp.gate_up_proj` holds gate and up.
+`checkpoint_target(name)` tells the loader where a checkpoint tensor goes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from kubeinfer.runtime.models.attention import AttentionBackend
+from kubeinfer.runtime.models.config import ModelConfig
+from kubeinfer.runtime.models.layers import MLP, RMSNorm, RotaryEmbedding
+from torch import nn
+
+# Checkpoint tensors that carry nothing we need (rotary caches some exporters save).
+IGNORED_TENSORS = re.compile(r".*(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")
+_STACKED = re.compile(r"^(.*)\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointTarget:
+    """Rows `[row_offset, row_offset + num_rows)` of parameter `param_name` (all rows if None)."""
+
+    param_name: str
+    row_offset: int = 0
+    num_rows: int | None = None
+    shard: str = ""
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = attn.forward(self.layer_idx, q, k, v)  # (T, H, D)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        # `_weight` skips the random init, which is slow even on the meta device.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, self.rotary_emb, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids (T,), positions (T,), attn) -> hidden (T, hidden)`;
+    `compute_logits(hidden) -> (T, vocab)` so the engine projects only the tokens it samples."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.model = DecoderModel(config, self.max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.config.head_dim**-0.5)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def materialize(self, device: torch.device) -> None:
+        """Compute the non-parameter state (the rotary cache) once weights have real storage."""
+        self.model.rotary_emb.materialize(device)
+
+    def checkpoint_target(self, name: str) -> CheckpointTarget | None:
+        """Where checkpoint tensor `name` goes; None for a tensor to skip on purpose."""
+        if IGNORED_TENSORS.match(name):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # tied: embed_tokens is the one copy
+        m = _STACKED.match(name)
+        if m is None:
+            return CheckpointTarget(name)
+        prefix, _, qkv, gate_up, kind = m.groups()
+        c = self.config
+        if qkv:
+            q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            offset, rows = {
+                "q": (0, q_size),
+                "k": (q_size, kv_size),
+                "v": (q_size + kv_size, kv_size),
+            }[qkv]
+            return CheckpointTarget(f"{prefix}.self_attn.qkv_proj.{kind}", offset, rows, qkv)
+        offset = 0 if gate_up == "gate" else c.intermediate_size
+        return CheckpointTarget(
+            f"{prefix}.mlp.gate_up_proj.{kind}", offset, c.intermediate_size, gate_up
+        )
