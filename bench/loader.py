@@ -32,6 +32,7 @@ def _status_kib(field: str) -> int:
 def child(mode: str, model_dir: str) -> None:
     """Measure one load in this process; print a JSON line."""
     import torch
+
     from kubeinfer.runtime.loader import load_model
     from kubeinfer.runtime.models import ModelConfig, build_model
 

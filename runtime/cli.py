@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import typer
-from kubeinfer.runtime.errors import KubeinferError
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from kubeinfer.runtime.errors import KubeinferError
 
 logger = logging.getLogger(__name__)
 

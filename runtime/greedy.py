@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Sequence
 
 import torch
+
 from kubeinfer.runtime.models import CausalAttention, LlamaForCausalLM
 
 

@@ -18,9 +18,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from kubeinfer.runtime.errors import ModelLoadError
 from kubeinfer.runtime.models import LlamaForCausalLM, ModelConfig, build_model
-from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from kubeinfer.runtime.errors import ModelLoadError
 from tokenizers import Tokenizer as HFTokenizer
+
+from kubeinfer.runtime.errors import ModelLoadError
 
 # Decode a few tokens before the new ones so that merges (leading spaces, byte pieces) resolve.
 _CONTEXT_TOKENS = 5

@@ -11,8 +11,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from kubeinfer.runtime.models.config import ModelConfig, RopeConfig
 from torch import nn
+
+from kubeinfer.runtime.models.config import ModelConfig, RopeConfig
 
 
 class RMSNorm(nn.Module):

@@ -11,10 +11,11 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from kubeinfer.runtime.models.attention import AttentionBackend
 from kubeinfer.runtime.models.config import ModelConfig
 from kubeinfer.runtime.models.layers import MLP, RMSNorm, RotaryEmbedding
-from torch import nn
 
 # Checkpoint tensors that carry nothing we need (rotary caches some exporters save).
 IGNORED_TENSORS = re.compile(r".*(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")

@@ -1,0 +1,111 @@
+"""One distribution maps the folders into `kubeinfer.*`; the standard `operator` stays intact.
+
+The folder `operator/` must never be importable as a top-level `operator`: that would shadow
+Python's standard module for every library in the process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = [
+    "kubeinfer",
+    "kubeinfer.runtime",
+    "kubeinfer.kernels",
+    "kubeinfer.operator",
+    "kubeinfer.devcluster",
+    "kubeinfer.runtime.models",
+]
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+PROBE = f"""
+import importlib, operator, sys
+assert operator.__file__.startswith({STDLIB!r}), operator.__file__
+assert operator.itemgetter(1)([0, 7]) == 7
+for name in {PACKAGES!r}:
+    importlib.import_module(name)
+import kubeinfer.operator
+assert kubeinfer.operator is not operator
+print(importlib.import_module("kubeinfer").__file__)
+"""
+
+
+def probe(cwd: Path, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("where", ["repo", "elsewhere"])
+def test_editable_install_imports(tmp_path: Path, where: str) -> None:
+    # from the repo root too, where a bare `import operator` could find the folder first
+    location = probe(REPO if where == "repo" else tmp_path)
+    assert Path(location).resolve() == (REPO / "kubeinfer" / "__init__.py").resolve()
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_imports(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("kubeinfer-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "kubeinfer/operator/__init__.py" in names
+    assert "kubeinfer/runtime/models/llama.py" in names
+    assert not any(n.startswith(("operator/", "runtime/", "kernels/")) for n in names), names
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    location = probe(tmp_path, env)
+    assert location.startswith(str(target)), location  # the wheel's copy, not the checkout
+
+
+def test_every_package_folder_is_listed() -> None:
+    """A sub-package with an __init__.py that pyproject forgets would be missing from wheels."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {v: k for k, v in config["package-dir"].items()}
+    found = set()
+    for folder, package in folders.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((package, *rel)))
+    assert found <= set(config["packages"]), found - set(config["packages"])
