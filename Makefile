@@ -12,7 +12,7 @@ MODEL_DIR := .cache/models/smollm2-135m
 # pip's own cache (~/.cache/pip) serves torch's several-GB wheels on a warm machine.
 VENV_STAMP := $(VENV)/.kubeinfer-installed
 
-.PHONY: help venv model demo test lint pytest bench clean
+.PHONY: help venv model demo test lint pytest bench clean controlplane
 
 help:
 	@echo "make demo    - set up and run the demo"
@@ -20,6 +20,7 @@ help:
 	@echo "make model   - SmolLM2-135M-Instruct in HF format under $(MODEL_DIR)"
 	@echo "make bench   - run the benchmarks in bench/"
 	@echo "make lint    - ruff"
+	@echo "make controlplane - build etcd, kube-*, kubectl, helm once into $(CACHE)/bin/<k8s-version>/"
 
 $(VENV_STAMP): pyproject.toml
 	@$(TIMED) venv bash -c '\
@@ -41,8 +42,14 @@ demo: venv model
 lint: venv
 	@$(TIMED) ruff $(VENV)/bin/ruff check .
 
+# The dev cluster's binaries, built from our Go wrapper modules through the module proxy and
+# reused while present (a cold build takes ~16 min on 2 cores). The k8s version is the one
+# hack/controlplane/kubernetes/go.mod requires.
+controlplane:
+	@$(TIMED) controlplane hack/controlplane/build.sh
+
 # pytest exits 5 when no test ran: that is a failure here, never a silent pass.
-pytest: venv model
+pytest: venv model controlplane
 	@$(TIMED) pytest $(PY) -m pytest -q
 
 test: lint pytest
