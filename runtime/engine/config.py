@@ -1,0 +1,32 @@
+"""EngineConfig: every engine knob, validated and documented (the server maps CLI/env to it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest sequence (prompt + output); default: the model's max_position_embeddings."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences running in one step."""
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    block_size: int = Field(16, ge=1, le=256)
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = Field(None, ge=1)
+    """KV pool size in blocks; default: sized from the memory settings below."""
+    kv_cache_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """GPU: fraction of free memory (after a warm-up) for KV; CPU: of kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: int = Field(2 << 30, ge=1 << 20)
+    """CPU only: the byte budget the fraction applies to."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes across requests."""
+    seed: int = 0
+    """Seed of the sampler for requests without their own seed."""
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    """Attention/norm kernels: Triton on CUDA when auto, the torch references elsewhere."""

@@ -1,0 +1,70 @@
+"""LLM: the offline API (contract) — `LLM(model_dir, ...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.engine import Engine
+from kubeinfer.runtime.engine.outputs import RequestOutput
+from kubeinfer.runtime.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model_dir, dtype=..., device=..., **engine_args)`; engine_args are EngineConfig's
+    fields (`num_kv_blocks`, `block_size`, `max_num_seqs`, `max_num_batched_tokens`,
+    `enable_prefix_caching`, ...)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        **engine_args: Any,
+    ) -> None:
+        self.engine = Engine(model_dir, EngineConfig(**engine_args), dtype=dtype, device=device)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"{len(params)} sampling params for {len(prompts)} prompts: "
+                    "give one, or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

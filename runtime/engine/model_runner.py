@@ -1,0 +1,205 @@
+"""ModelRunner: the only part of the engine that touches devices.
+
+Each step it flattens the scheduled requests into one varlen batch (`input_ids, positions,
+slot_mapping, block_tables, seq_lens, query_start_loc`), runs the model with the paged
+attention backend over its KV cache, and samples a token for every request whose scheduled
+tokens reach its end (a prefill chunk that does not is computed but not sampled).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kubeinfer.kernels import paged_attention_reference, store_kv_reference
+from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
+from kubeinfer.runtime.engine.sched_output import SchedulerOutput
+from kubeinfer.runtime.loader import ProgressCallback, load_model
+from kubeinfer.runtime.models import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class PagedAttention:
+    """The attention backend of one step: store the new k/v by slot, attend over the cache."""
+
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        store_kv: Callable[..., None] = store_kv_reference,
+        attend: Callable[..., torch.Tensor] = paged_attention_reference,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.slot_mapping, self.block_tables = slot_mapping, block_tables
+        self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
+        self.scale, self.sliding_window = scale, sliding_window
+        self._store_kv, self._attend = store_kv, attend
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        self._store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
+        return self._attend(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            sliding_window=self.sliding_window,
+        )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.config = config
+        model = load_model(
+            model_dir,
+            dtype=dtype,
+            device=self.device,
+            max_positions=config.max_model_len,
+            on_progress=on_progress,
+        )
+        self.model: LlamaForCausalLM = model
+        self.dtype = model.lm_head.weight.dtype
+        self.max_model_len = model.max_positions
+        mc = model.config
+        self.block_size = config.block_size
+        self.bytes_per_block = (
+            2
+            * mc.num_hidden_layers
+            * self.block_size
+            * mc.num_key_value_heads
+            * mc.head_dim
+            * self.dtype.itemsize
+        )
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.sampler = Sampler(self.device, config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.bytes_per_block / 2**20,
+        )
+
+    def _blocks_from_memory(self) -> int:
+        fraction = self.config.kv_cache_memory_fraction
+        if self.device.type == "cuda":
+            # measure what a full step leaves free, then hand a fraction of it to the cache
+            self._warm_up()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * fraction)
+        else:
+            budget = int(self.config.kv_cache_memory_bytes * fraction)
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes)")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        from kubeinfer.runtime.models import CausalAttention
+
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        attn = CausalAttention.for_lengths([n], self.model.attention_scale)
+        self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), attn))
+        torch.cuda.synchronize(self.device)
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_ids: Callable[[str], list[int]]
+    ) -> list[int | None]:
+        """Run one step; one sampled token per scheduled request (None: prefill continues)."""
+        bs = self.block_size
+        num_seqs = len(out.scheduled)
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        seq_lens = np.empty(num_seqs, dtype=np.int32)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        tables = [block_ids(s.request.request_id) for s in out.scheduled]
+        block_tables = np.full((num_seqs, max(len(t) for t in tables)), -1, dtype=np.int32)
+        for i, s in enumerate(out.scheduled):
+            r, table = s.request, tables[i]
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(r.token_slice(start, end))
+            pos = np.arange(start, end)
+            positions.append(pos)
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            seq_lens[i] = end
+            query_start_loc[i + 1] = query_start_loc[i] + (end - start)
+            block_tables[i, : len(table)] = table
+        dev = self.device
+        attn = PagedAttention(
+            self.kv_caches,
+            torch.from_numpy(np.concatenate(slots)).to(dev),
+            torch.from_numpy(block_tables).to(dev),
+            torch.from_numpy(seq_lens).to(dev),
+            torch.from_numpy(query_start_loc).to(dev),
+            self.model.attention_scale,
+            self.model.config.sliding_window,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            attn,
+        )
+        sampling = [i for i, s in enumerate(out.scheduled) if s.completes_prefill]
+        results: list[int | None] = [None] * num_seqs
+        if not sampling:
+            return results
+        last = torch.tensor([int(query_start_loc[i + 1]) - 1 for i in sampling], device=dev)
+        logits = self.model.compute_logits(hidden[last])
+        rows = [self._sampling_row(out.scheduled[i].request) for i in sampling]
+        for i, token in zip(sampling, self.sampler(logits, rows), strict=True):
+            results[i] = token
+        return results
+
+    def _sampling_row(self, request) -> SamplingRow:  # noqa: ANN001
+        params = request.sampling_params
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self._generators[request.request_id] = generator
+        banned: list[int] = []
+        if request.num_output_tokens < params.min_tokens:
+            banned = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned += list(request.eos_token_ids)
+        return SamplingRow(params, generator, banned)

@@ -1,0 +1,41 @@
+"""What the engine hands back per request: cumulative results plus this step's delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the request, if any."""
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Seconds, for the server's histograms; filled in as the request goes."""
+
+    queue_time: float | None = None
+    time_to_first_token: float | None = None
+    e2e_latency: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
