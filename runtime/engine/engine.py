@@ -91,22 +91,40 @@ class Engine:
         request_id: str | None = None,
     ) -> str:
         """Queue a request; ValueError (naming the problem) if it can never be served."""
+        return self.add(self.make_request(prompt, params, request_id))
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenize and validate, without touching engine state (safe from another thread)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, prompt=prompt_text)
-        self._requests[request_id] = request
+        return Request(request_id, prompt_ids, params, self.eos_token_ids, prompt=prompt_text)
+
+    def add(self, request: Request) -> str:
+        """Queue a request made by `make_request`."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._requests[request.request_id] = request
         detok = (
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                request.sampling_params.skip_special_tokens,
+            )
             if self.tokenizer
             else None
         )
-        self._texts[request_id] = _Text(detok)
+        self._texts[request.request_id] = _Text(detok)
         self.scheduler.add(request)
-        return request_id
+        return request.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its last output, or None if unknown."""

@@ -17,6 +17,8 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
     rms_norm_eps=1e-5,
+    eos_token_id=2,
+    bos_token_id=1,
 )
 
 # name -> (transformers config class name, overrides)
