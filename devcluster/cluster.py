@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,14 +174,18 @@ class DevCluster:
         headers = {"Authorization": f"Bearer {token}"} if name == "kube-apiserver" else {}
         # The API server is checked against its own certificate. The controller-manager's and
         # scheduler's health ports self-sign in memory: a loopback health probe skips checking.
-        verify: bool | str = str(self.layout.ca_file) if name == "kube-apiserver" else False
+        verify: bool | ssl.SSLContext = (
+            ssl.create_default_context(cafile=str(self.layout.ca_file))
+            if name == "kube-apiserver" and self.layout.ca_file.exists()
+            else False
+        )
         if name == "kube-apiserver" and not self.layout.ca_file.exists():
             return False, "no serving certificate yet"
         try:
             resp = httpx.get(url, headers=headers, verify=verify, timeout=5)
         except httpx.HTTPError as exc:
             return False, f"{url}: {exc.__class__.__name__}"
-        return resp.status_code == 200, f"{url}: HTTP {resp.status_code}"
+        return resp.status_code == 200, f"HTTP {resp.status_code} on port {url.split(':')[2]}"
 
     def _wait_default_service_account(self, timeout_s: float = 120) -> None:
         """Pods cannot be created until the controller-manager made `default/default`."""
@@ -211,7 +216,7 @@ class DevCluster:
             for n in nodes
             if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
         }
-        return wanted <= ready, f"ready nodes {sorted(ready)} of {sorted(wanted)}"
+        return wanted <= ready, f"{len(wanted & ready)}/{len(wanted)} nodes Ready"
 
     def core_api(self):  # type: ignore[no-untyped-def]
         """A kubernetes CoreV1Api on the admin kubeconfig."""

@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# The dev cluster, up once per session for every test that asks for it (dev cluster, operator,
+# helm tests); see kubeinfer.devcluster.testing.
+from kubeinfer.devcluster.testing import dev_cluster  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO / ".cache" / "models" / "smollm2-135m"
 

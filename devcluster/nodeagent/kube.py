@@ -137,7 +137,7 @@ class Kube:
             if kind == "ConfigMap":
                 return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
             raw = self.core.read_namespaced_secret(name, namespace).data or {}
-            return {k: base64.b64decode(v).decode() for k, v in raw.items()}
+            return {k: base64.b64decode(v).decode(errors="replace") for k, v in raw.items()}
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -61,7 +61,7 @@ class PodWorker(threading.Thread):
         self._pod = pod
         self._lock = threading.Lock()
         self._vanished = threading.Event()
-        self._shutdown = threading.Event()
+        self._shutting_down = threading.Event()
         self.pod_dir = ctx.config.state_dir / "run" / self.uid
         self.pod_ip = ""
         self.start_time = now_iso()
@@ -87,7 +87,7 @@ class PodWorker(threading.Thread):
 
     def shutdown(self) -> None:
         """The agent is stopping: stop the processes, leave the pod object as it is."""
-        self._shutdown.set()
+        self._shutting_down.set()
 
     @property
     def pod(self) -> dict[str, Any]:
@@ -99,16 +99,16 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self._prepare()
-            while not (self._vanished.is_set() or self._shutdown.is_set()):
+            while not (self._vanished.is_set() or self._shutting_down.is_set()):
                 pod = self.pod
                 if pod["metadata"].get("deletionTimestamp"):
-                    self._delete(pod)
+                    self._finish_deletion(pod)
                     return
                 if self.refused is None:
                     self._step(pod)
                 self._write_status(pod)
                 time.sleep(TICK_S)
-            self._stop_all(SHUTDOWN_GRACE_S if self._shutdown.is_set() else 2.0)
+            self._stop_all(SHUTDOWN_GRACE_S if self._shutting_down.is_set() else 2.0)
             if self._vanished.is_set():
                 self._cleanup()
         except Exception:
@@ -379,7 +379,7 @@ class PodWorker(threading.Thread):
         for run in running:
             run.kill(max(0.1, deadline - time.monotonic()))
 
-    def _delete(self, pod: dict[str, Any]) -> None:
+    def _finish_deletion(self, pod: dict[str, Any]) -> None:
         grace = self._grace_s(pod)
         logger.info("pod %s: deleting (grace %.0fs)", self.key, grace)
         self._stop_all(grace)
