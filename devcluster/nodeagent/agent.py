@@ -18,6 +18,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from kubeinfer.devcluster import processes
 from kubeinfer.devcluster.config import AgentConfig
 from kubeinfer.devcluster.nodeagent import nodes
 from kubeinfer.devcluster.nodeagent.container import now_iso
@@ -45,12 +46,25 @@ class NodeAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         self.config.container_pids_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_orphans()
         nodes.register(self.kube, self.config, self.started_at)
         threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True).start()
         watcher = threading.Thread(target=self._watch_pods, name="watch", daemon=True)
         watcher.start()
         self.stopping.wait()
         self._shutdown()
+
+    def _stop_orphans(self) -> None:
+        """Containers an earlier agent left running (it was killed): stop them, since this
+        agent starts every pod afresh and they would hold the pods' addresses and ports."""
+        for path in self.config.container_pids_dir.glob("*.json"):
+            record = processes.read_record(path)
+            if record is not None and record.is_alive():
+                logger.warning(
+                    "stopping %s (pid %d), left by an earlier agent", record.name, record.pid
+                )
+                processes.stop(record, grace_s=5)
+            path.unlink(missing_ok=True)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("signal %d: stopping", signum)

@@ -4,6 +4,8 @@ node agent as local processes on 127.1.x.y. Each test works in a namespace of it
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ import httpx
 import psutil
 import pytest
 
+from kubeinfer.devcluster.config import REPO_ROOT as REPO
 from kubeinfer.devcluster.config import pinned_kubernetes_version
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 
@@ -78,6 +81,28 @@ def test_readyz_version_and_nodes(dev_cluster: DevClusterHandle) -> None:
     nodes = {n.metadata.name: n for n in dev_cluster.core.list_node().items}
     assert {"dev-gpu-0", "dev-gpu-1"} <= set(nodes)
     assert nodes["dev-gpu-0"].status.allocatable["nvidia.com/gpu"] == "8"
+
+
+def test_helm_is_pinned_and_reaches_the_cluster(dev_cluster: DevClusterHandle) -> None:
+    helm = dev_cluster.cluster.bin_dir / "helm"
+    go_mod = REPO / "hack" / "controlplane" / "helm" / "go.mod"
+    pinned = re.search(r"^require helm.sh/helm/v3 (v\S+)", go_mod.read_text(), re.MULTILINE)
+    assert pinned
+    done = subprocess.run(
+        [str(helm), "version", "--template", "{{.Version}}"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.strip() == pinned.group(1)
+    done = subprocess.run(
+        [str(helm), "list", "-A", "--kubeconfig", str(dev_cluster.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_crd_can_be_created_and_used(dev_cluster: DevClusterHandle, ns: str) -> None:

@@ -270,3 +270,12 @@ def test_agent_config_round_trips(tmp_path: Path) -> None:
     )
     assert AgentConfig.model_validate_json(config.model_dump_json()) == config
     assert config.nodes.node_names() == ["dev-gpu-0", "dev-gpu-1"]
+
+
+def test_up_without_binaries_says_how_to_build_them(tmp_path: Path) -> None:
+    from kubeinfer.devcluster.cluster import DevCluster
+    from kubeinfer.devcluster.config import DevClusterError, NodeConfig
+
+    cluster = DevCluster(Layout(tmp_path / "dev"), tmp_path / "no-bin", NodeConfig())
+    with pytest.raises(DevClusterError, match="make controlplane"):
+        cluster.up()
