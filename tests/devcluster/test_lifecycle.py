@@ -11,7 +11,7 @@ import pytest
 from kubeinfer.devcluster.cluster import DevCluster
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _descendants_by_state_dir(state_dir: Path) -> list[psutil.Process]:
