@@ -56,3 +56,19 @@ def check_kv_cache(
             f"k_cache must be (num_blocks, block_size, {num_kv_heads}, {head_dim}), "
             f"got {tuple(k_cache.shape)}"
         )
+
+
+def check_token_major(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+) -> None:
+    """(T, heads, head_dim) with each token's (heads, head_dim) contiguous; the token stride may
+    be anything, so views into a fused qkv projection pass without a copy."""
+    check_tensor(name, t, ndim=3, dtype=dtype, contiguous=False)
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        raise KernelInputError(
+            f"{name} must have each token's (heads, head_dim) contiguous, got shape "
+            f"{tuple(t.shape)} with strides {t.stride()}"
+        )
