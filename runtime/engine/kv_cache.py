@@ -48,7 +48,7 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: objec
 @dataclass(slots=True)
 class _RequestBlocks:
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
+    num_cached: int = 0  # its leading blocks already offered to the prefix cache
 
 
 class KVCacheManager:
@@ -85,23 +85,32 @@ class KVCacheManager:
         """Blocks of the longest cached prefix of `request` and how many tokens they hold."""
         if not self.enable_prefix_caching or request.request_id in self._requests:
             return [], 0
-        token_ids = request.all_token_ids
         # never the whole prompt: the last token is recomputed to get its logits
-        num_full = (len(token_ids) - 1) // self.block_size
+        num_full = (request.num_tokens - 1) // self.block_size
         self.prefix_stats.num_queried_tokens += len(request.prompt_token_ids)
+        hashes = self._hashes(request, num_full)
         hits: list[int] = []
-        parent: bytes | None = None
-        for i in range(num_full):
-            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block(parent, chunk, request.cache_salt)
+        for i, block_hash in enumerate(hashes[:num_full]):
             block_id = self._cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                request.token_slice(i * self.block_size, (i + 1) * self.block_size)
+            ):
                 break
             hits.append(block_id)
-            parent = block_hash
         num_tokens = len(hits) * self.block_size
         self.prefix_stats.num_hit_tokens += min(num_tokens, len(request.prompt_token_ids))
         return hits, num_tokens
+
+    def _hashes(self, request: Request, num_full: int) -> list[bytes]:
+        """The request's chained full-block hashes, computed once per block and kept on it."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block(parent, request.token_slice(i * bs, (i + 1) * bs), request.cache_salt)
+            )
+        return hashes
 
     def allocate(
         self, request: Request, num_new_tokens: int, computed: Sequence[int] = ()
@@ -113,18 +122,26 @@ class KVCacheManager:
         ids, or None, changing nothing, when the pool has too few free blocks.
         """
         entry = self._requests.get(request.request_id)
-        held = len(entry.block_ids) if entry else 0
-        base = request.num_computed_tokens if entry else len(computed) * self.block_size
-        num_tokens = base + num_new_tokens
-        num_needed = max(self.num_blocks_for(num_tokens) - held - len(computed), 0)
-        if num_needed > self._num_usable(computed):
-            return None
-        if entry is None:
+        if entry is not None:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            held = len(entry.block_ids)
+            if num_tokens <= held * self.block_size:  # the common decode step: room already
+                if self.enable_prefix_caching and num_tokens // self.block_size > entry.num_cached:
+                    self._cache_full_blocks(request, entry, num_tokens)
+                return []
+            num_needed = self.num_blocks_for(num_tokens) - held
+            if num_needed > len(self._free):
+                return None
+        else:
+            num_tokens = len(computed) * self.block_size + num_new_tokens
+            num_needed = max(self.num_blocks_for(num_tokens) - len(computed), 0)
+            if num_needed > self._num_usable(computed):
+                return None
             entry = self._requests[request.request_id] = _RequestBlocks()
             for block_id in computed:
                 self._touch(block_id)
                 entry.block_ids.append(block_id)
-                entry.block_hashes.append(self.blocks[block_id].block_hash)  # type: ignore[arg-type]
+            entry.num_cached = len(computed)
         new_ids = [self._take_free() for _ in range(num_needed)]
         entry.block_ids.extend(new_ids)
         if self.enable_prefix_caching:
@@ -175,14 +192,14 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, entry: _RequestBlocks, num_tokens: int) -> None:
         """Hash the blocks that are full once `num_tokens` tokens are computed."""
-        token_ids = request.all_token_ids
-        num_full = min(num_tokens, len(token_ids)) // self.block_size
-        for i in range(len(entry.block_hashes), num_full):
-            parent = entry.block_hashes[-1] if entry.block_hashes else None
-            chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block(parent, chunk, request.cache_salt)
-            entry.block_hashes.append(block_hash)
+        bs = self.block_size
+        num_full = num_tokens // bs  # num_tokens never exceeds the request's known tokens
+        hashes = self._hashes(request, num_full)
+        for i in range(entry.num_cached, num_full):
+            block_hash = hashes[i]
             block = self.blocks[entry.block_ids[i]]
             if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash, block.token_ids = block_hash, chunk
+                block.block_hash = block_hash
+                block.token_ids = tuple(request.token_slice(i * bs, (i + 1) * bs))
                 self._cached[block_hash] = block.block_id
+        entry.num_cached = max(entry.num_cached, num_full)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kubeinfer.kernels import paged_attention_reference, store_kv_reference
+from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
 from kubeinfer.runtime.engine.sched_output import SchedulerOutput
@@ -103,6 +104,9 @@ class ModelRunner:
             )
             for _ in range(mc.num_hidden_layers)
         ]
+        self.block_tables = BlockTableArray(
+            config.max_num_seqs, -(-self.max_model_len // self.block_size)
+        )
         self.sampler = Sampler(self.device, config.seed)
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
@@ -137,53 +141,38 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def release(self, request_id: str) -> None:
+        """Forget a finished request (its generator, its block-table row)."""
         self._generators.pop(request_id, None)
+        self.block_tables.release(request_id)
 
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_ids: Callable[[str], list[int]]
     ) -> list[int | None]:
         """Run one step; one sampled token per scheduled request (None: prefill continues)."""
-        bs = self.block_size
-        num_seqs = len(out.scheduled)
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        seq_lens = np.empty(num_seqs, dtype=np.int32)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-        tables = [block_ids(s.request.request_id) for s in out.scheduled]
-        block_tables = np.full((num_seqs, max(len(t) for t in tables)), -1, dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
-            r, table = s.request, tables[i]
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(r.token_slice(start, end))
-            pos = np.arange(start, end)
-            positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            seq_lens[i] = end
-            query_start_loc[i + 1] = query_start_loc[i] + (end - start)
-            block_tables[i, : len(table)] = table
+        for request_id in out.preempted_ids:  # their blocks are gone; rows are re-made later
+            self.block_tables.release(request_id)
+        batch = build_step_batch(out, block_ids, self.block_size, self.block_tables)
         dev = self.device
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
         attn = PagedAttention(
             self.kv_caches,
-            torch.from_numpy(np.concatenate(slots)).to(dev),
-            torch.from_numpy(block_tables).to(dev),
-            torch.from_numpy(seq_lens).to(dev),
-            torch.from_numpy(query_start_loc).to(dev),
+            put(batch.slot_mapping),
+            put(batch.block_tables),
+            put(batch.seq_lens),
+            put(batch.query_start_loc),
             self.model.attention_scale,
             self.model.config.sliding_window,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
-            attn,
-        )
-        sampling = [i for i, s in enumerate(out.scheduled) if s.completes_prefill]
-        results: list[int | None] = [None] * num_seqs
+        hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
+        results: list[int | None] = [None] * len(out.scheduled)
+        sampling = batch.sample_rows
         if not sampling:
             return results
-        last = torch.tensor([int(query_start_loc[i + 1]) - 1 for i in sampling], device=dev)
-        logits = self.model.compute_logits(hidden[last])
+        logits = self.model.compute_logits(hidden[put(np.array(batch.logits_indices))])
         rows = [self._sampling_row(out.scheduled[i].request) for i in sampling]
         for i, token in zip(sampling, self.sampler(logits, rows), strict=True):
             results[i] = token

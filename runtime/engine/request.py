@@ -43,6 +43,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of its full blocks (prefix cache), computed once per block."""
     times: RequestTimes = field(default_factory=RequestTimes)
 
     @property

@@ -47,18 +47,25 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        allocate = self.kv_cache.allocate
+        scheduled = out.scheduled
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv_cache.allocate(request, num_new) is None:
-                victim = self.running.pop()  # the newest
+        while i < len(running) and budget > 0:
+            request = running[i]
+            remaining = len(request.prompt_token_ids) + len(request.output_token_ids)
+            remaining -= request.num_computed_tokens
+            num_new = remaining if remaining < budget else budget
+            while allocate(request, num_new) is None:
+                victim = running.pop()  # the newest
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._schedule(out, request, num_new)
+                scheduled.append(ScheduledRequest(request, num_new))
+                if num_new < remaining:
+                    out.num_chunked_prefills += 1
                 budget -= num_new
                 i += 1
                 continue
