@@ -12,6 +12,9 @@ an interpreted launch after a compiled-mode import fails with `RuntimeError("Can
 @triton.jit'd outside of the scope of a kernel")`, and compiling after an interpreter-mode import
 fails an `assert knobs.runtime.interpret or isinstance(fn, JITFunction)`. So the mode is read
 once, here, and the tests run the interpreter in a subprocess of its own.
+
+Launches pass `enable_fp_fusion=True` (multiply-adds fused) explicitly: triton 3.9 warns when it
+is left to the default, which it says 3.10 flips.
 """
 
 from __future__ import annotations

@@ -264,7 +264,6 @@ def paged_attention(
     trusted beyond shapes and dtypes: query_start_loc must start at 0, end at T and increase,
     each q length must be <= its seq_len, and the block tables must cover every sequence."""
     check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    check_launchable("q", q)
     if sliding_window is not None and sliding_window < 1:
         raise KernelInputError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -277,6 +276,7 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:
         check_tensor("out", out, shape=q.shape, dtype=q.dtype, device=q.device)
+    check_launchable("q", q)
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len is None:
@@ -329,6 +329,7 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
+        enable_fp_fusion=True,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -342,6 +343,7 @@ def paged_attention(
             NUM_SPLITS=num_splits,
             SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4,
+            enable_fp_fusion=True,
         )
     return out
 

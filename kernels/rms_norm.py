@@ -107,13 +107,13 @@ def rms_norm(
     `residual_out` are optional preallocated results (x's shape); they may alias x and residual,
     which makes the call in place (each row is read whole before it is written)."""
     _check(x, weight, residual)
-    check_launchable("x", x)
     n_cols = x.shape[-1]
     if n_cols > MAX_HIDDEN:
         raise KernelInputError(f"x rows of {n_cols} exceed the kernel's {MAX_HIDDEN}")
     num_rows = x.numel() // n_cols if n_cols else 0
     out = _result("out", out, x)
     new_residual = _result("residual_out", residual_out, x) if residual is not None else None
+    check_launchable("x", x)
     if num_rows:
         block = next_power_of_2(n_cols)
         _rms_norm_kernel[(num_rows,)](
@@ -127,6 +127,7 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 16),
+            enable_fp_fusion=True,
         )
     return out if new_residual is None else (out, new_residual)
 

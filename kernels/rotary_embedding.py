@@ -133,6 +133,7 @@ def rotary_embedding(
             BLOCK_H=next_power_of_2(max(num_heads, k.shape[1])),
             BLOCK_R=next_power_of_2(rot_dim // 2),
             num_warps=4,
+            enable_fp_fusion=True,
         )
     return q, k
 

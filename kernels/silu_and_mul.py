@@ -40,16 +40,18 @@ def _check(x: torch.Tensor) -> None:
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton: (..., 2I) -> (..., I), into `out` when given (preallocated, contiguous)."""
     _check(x)
-    check_launchable("x", x)
     inter_size = x.shape[-1] // 2
     if out is None:
         out = x.new_empty(*x.shape[:-1], inter_size)
     else:
         check_tensor("out", out, shape=(*x.shape[:-1], inter_size), dtype=x.dtype, device=x.device)
+    check_launchable("x", x)
     num_rows = out.numel() // inter_size if inter_size else 0
     if num_rows:
         grid = (num_rows, (inter_size + BLOCK - 1) // BLOCK)
-        _silu_and_mul_kernel[grid](x, out, inter_size, BLOCK=BLOCK, num_warps=4)
+        _silu_and_mul_kernel[grid](
+            x, out, inter_size, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=True
+        )
     return out
 
 

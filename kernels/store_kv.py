@@ -96,6 +96,7 @@ def store_kv(
             row_size,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
+            enable_fp_fusion=True,
         )
 
 
