@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 def register(app: typer.Typer) -> None:
     """Add the runtime's commands to the root app."""
     app.command()(generate)
+    app.command()(serve)
 
 
 def load_with_progress(model_dir: Path, dtype: str, device: str, console: Console):  # noqa: ANN201
@@ -63,3 +64,48 @@ def generate(
     except (KubeinferError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
+
+
+def serve(
+    model: Path | None = typer.Option(None, help="Model folder (HF format). Env: KUBEINFER_MODEL"),
+    served_model_name: str | None = typer.Option(None, help="Name in /v1/models."),
+    host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Port (default 8000)."),
+    dtype: str | None = typer.Option(None, help="auto | float32 | bfloat16 | float16"),
+    device: str | None = typer.Option(None, help="cpu | cuda | cuda:N"),
+    max_model_len: int | None = typer.Option(None, help="Longest prompt + output."),
+    max_num_seqs: int | None = typer.Option(None, help="Most sequences per step."),
+    max_num_batched_tokens: int | None = typer.Option(None, help="Token budget per step."),
+    num_kv_blocks: int | None = typer.Option(None, help="KV pool size in blocks."),
+    kv_cache_memory_fraction: float | None = typer.Option(None, help="Share of memory for KV."),
+    kv_cache_memory_bytes: int | None = typer.Option(None, help="CPU: KV byte budget."),
+    enable_prefix_caching: bool | None = typer.Option(None, help="Reuse shared prefixes."),
+    kernels: str | None = typer.Option(None, help="auto | torch | triton"),
+    api_key: str | None = typer.Option(
+        None,
+        help="Require this bearer token on /v1/*.",
+        envvar="KUBEINFER_API_KEY",
+        show_envvar=False,
+    ),
+    max_request_bytes: int | None = typer.Option(None, help="Largest request body."),
+    drain_timeout: float | None = typer.Option(None, help="SIGTERM drain timeout, seconds."),
+    log_level: str | None = typer.Option(None, help="debug | info | warning | error"),
+) -> None:
+    """Serve the OpenAI API for one model. Every option also reads KUBEINFER_<OPTION>."""
+    given = {k: v for k, v in locals().items() if v is not None}  # unset: env or default
+    from pydantic import ValidationError
+
+    from kubeinfer.runtime.server.serve import serve as run_server
+    from kubeinfer.runtime.server.settings import ServerSettings
+
+    try:
+        settings = ServerSettings(**given)
+    except ValidationError as e:
+        for err in e.errors():
+            where = ".".join(str(x) for x in err["loc"]) or "settings"
+            typer.echo(f"error: --{where.replace('_', '-')}: {err['msg']}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_server(settings)

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kubeinfer.runtime.engine.engine import Engine
@@ -36,8 +36,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None
+    ) -> None:
         self.engine = engine
+        self._on_finished = on_finished
         self._adds: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -63,16 +66,21 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; ValueError at once if the request is invalid."""
+        """Validate now (ValueError naming the problem), then stream the request's outputs.
+
+        The request enters the engine when the stream is first iterated."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
         request = self.engine.make_request(prompt, params, request_id or uuid.uuid4().hex)
+        return self._stream(request)
+
+    async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         self._adds.put(request)
@@ -123,9 +131,13 @@ class AsyncEngine:
                 request_id = self._aborts.get_nowait()
             except queue.Empty:
                 break
-            self.engine.abort(request_id)
+            out = self.engine.abort(request_id)
+            if out is not None and self._on_finished is not None:
+                self._on_finished(out)
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished and self._on_finished is not None:
+            self._on_finished(out)
         stream = self._streams.get(out.request_id)
         if stream is None:
             return

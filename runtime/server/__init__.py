@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`kubeinfer serve`): FastAPI routes over the AsyncEngine."""

@@ -1,0 +1,111 @@
+"""create_app(settings): the FastAPI app — routes, error handlers, auth and body-size guard.
+
+The model loads in the lifespan hook on a background thread (see state.py); the ASGI guard in
+front of the routes answers 401 (API key), 413 (body too large) and 503 (draining) before any
+route runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kubeinfer import __version__
+from kubeinfer.runtime.server.errors import error_body, install_error_handlers
+from kubeinfer.runtime.server.health_routes import router as health_router
+from kubeinfer.runtime.server.openai_routes import router as openai_router
+from kubeinfer.runtime.server.settings import ServerSettings
+from kubeinfer.runtime.server.state import ServerState
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Pure ASGI middleware (streams pass straight through, disconnects stay visible)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+        key = state.settings.api_key
+        self.api_key = key.get_secret_value().encode() if key else None
+        self.limit = state.settings.max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        if self.api_key is not None:
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
+                await _send_error(
+                    send, 401, "missing or invalid API key", [(b"www-authenticate", b"Bearer")]
+                )
+                return
+        if self.state.draining:
+            await _send_error(send, 503, "server is shutting down")
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _send_error(send, 413, f"request body over {self.limit} bytes")
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, f"request body over {self.limit} bytes")
+
+
+async def _send_error(
+    send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(settings: ServerSettings, state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if state.engine is None and state.load_error is None:
+            state.load_in_background()
+        yield
+        if state.engine is not None:
+            state.engine.stop()
+
+    app = FastAPI(title="kubeinfer", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(openai_router)
+    app.include_router(health_router)
+    app.add_middleware(Guard, state=state)
+    return app

@@ -1,0 +1,168 @@
+"""Request bodies of the OpenAI API (completions, chat), validated with pydantic.
+
+Fields OpenAI defines that kubeinfer does not implement are accepted at their neutral value
+and refused otherwise with a message saying so (n > 1, echo, logprobs, penalties, ...);
+fields OpenAI does not define are refused by name. vLLM's extensions (top_k, min_p,
+stop_token_ids, ignore_eos, min_tokens, skip_special_tokens) are supported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from kubeinfer.runtime.engine.sampling_params import SamplingParams
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Sampling:
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported; send one request per completion")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        for value in self._unsupported_extras():
+            raise ValueError(value)
+        return self
+
+    def _unsupported_extras(self) -> list[str]:
+        return []
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=[s for s in stop if s],
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens),
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def _unsupported_extras(self) -> list[str]:
+        errors = []
+        if self.echo:
+            errors.append("echo=true is not supported")
+        if self.logprobs:
+            errors.append("logprobs is not supported")
+        if self.best_of not in (None, 1):
+            errors.append("best_of > 1 is not supported")
+        if self.suffix:
+            errors.append("suffix is not supported")
+        return errors
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return [list(x) for x in p]  # type: ignore[union-attr]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def _unsupported_extras(self) -> list[str]:
+        errors = []
+        if self.logprobs or self.top_logprobs:
+            errors.append("logprobs is not supported")
+        if self.tools:
+            errors.append("tools are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            errors.append("tool_choice is not supported")
+        if self.response_format and self.response_format.get("type") != "text":
+            errors.append("response_format other than text is not supported")
+        if self.max_tokens and self.max_completion_tokens:
+            errors.append("give max_tokens or max_completion_tokens, not both")
+        return errors
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
