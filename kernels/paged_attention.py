@@ -47,6 +47,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TILE = 32  # keys per inner step, independent of the cache's block size
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs its parallelism
+LOG2E = 1.4426950408889634  # scores go to base 2: e^x = 2^(x log2 e)
 
 
 @jit
@@ -282,9 +283,9 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if num_splits is None:
-        if max_seq_len is None and max_query_len == 1:
-            max_seq_len = int(seq_lens.max().item())
-        num_splits = _auto_num_splits(q, num_seqs * num_kv_heads, max_query_len, max_seq_len)
+        num_splits = _auto_num_splits(
+            q, seq_lens, num_seqs * num_kv_heads, max_query_len, max_seq_len, sliding_window
+        )
 
     # BLOCK_M rows = BLOCK_Q tokens x G heads; tl.dot needs >= 16 rows. Decode-sized runs take
     # the smallest block (fewer idle rows), prefill chunks a larger one (more reuse per key tile).
@@ -348,21 +349,26 @@ def paged_attention(
     return out
 
 
-LOG2E = 1.4426950408889634  # scores go to base 2: e^x = 2^(x log2 e)
-
-
 def _auto_num_splits(
-    q: torch.Tensor, num_programs: int, max_query_len: int, max_seq_len: int | None
+    q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_programs: int,
+    max_query_len: int,
+    max_seq_len: int | None,
+    sliding_window: int | None,
 ) -> int:
-    """Split only decode-only steps whose (sequence, KV head) programs leave SMs idle, and only
-    as far as each split keeps MIN_KEYS_PER_SPLIT keys."""
-    if max_query_len != 1 or max_seq_len is None or q.device.type != "cuda":
+    """Split only decode-only steps whose (sequence, KV head) programs leave SMs idle (aiming at
+    two programs per SM), and only as far as each split keeps MIN_KEYS_PER_SPLIT keys."""
+    if max_query_len != 1 or q.device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if num_programs >= num_sms:
         return 1
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    num_keys = min(max_seq_len, sliding_window or max_seq_len)
     by_occupancy = -(-2 * num_sms // num_programs)
-    by_length = max(max_seq_len // MIN_KEYS_PER_SPLIT, 1)
+    by_length = max(num_keys // MIN_KEYS_PER_SPLIT, 1)
     return max(min(by_occupancy, by_length, MAX_SPLITS), 1)
 
 

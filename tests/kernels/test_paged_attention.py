@@ -112,3 +112,25 @@ def test_paged_attention_rejects_bad_inputs() -> None:
         paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, sliding_window=0)
     with pytest.raises(KernelInputError, match="out must have shape"):
         paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 1.0, out=q[:, :2])
+
+
+def test_split_kv_is_chosen_for_small_decode_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from kubeinfer.kernels.paged_attention import _auto_num_splits
+
+    props = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    q = SimpleNamespace(device=torch.device("cuda", 0))
+    lens = torch.tensor([8192] * 4, dtype=torch.int32)
+
+    def splits(programs: int, max_q: int, max_len: int | None, window: int | None = None) -> int:
+        return _auto_num_splits(q, lens, programs, max_q, max_len, window)  # type: ignore[arg-type]
+
+    assert splits(4 * 8, 1, 8192) == 9  # ceil(2 * 132 / 32): two programs per SM
+    assert splits(4 * 8, 1, None) == 9  # max_seq_len read from seq_lens
+    assert splits(64 * 8, 1, 2048) == 1  # enough programs already
+    assert splits(4 * 8, 7, 8192) == 1  # a prefill chunk in the step
+    assert splits(4 * 8, 1, 300) == 1  # too few keys to share
+    assert splits(4 * 8, 1, 8192, window=512) == 2  # the window bounds the keys
+    assert splits(1, 1, 1 << 20) == 32  # capped at MAX_SPLITS
