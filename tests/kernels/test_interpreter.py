@@ -43,14 +43,3 @@ def test_kernels_in_triton_interpreter() -> None:
     report = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, f"interpreter run failed ({proc.returncode}):\n{report}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout, report
-
-
-def test_cpu_launch_without_the_interpreter_says_what_to_do() -> None:
-    if is_interpreting() or not has_triton():
-        pytest.skip("needs triton in compiled mode")
-    import torch
-
-    from kubeinfer.kernels import KernelInputError, silu_and_mul
-
-    with pytest.raises(KernelInputError, match="x is on cpu: the Triton kernels need CUDA"):
-        silu_and_mul(torch.randn(2, 8))
