@@ -21,20 +21,6 @@ def register(app: typer.Typer) -> None:
     app.command()(serve)
 
 
-def load_with_progress(model_dir: Path, dtype: str, device: str, console: Console):  # noqa: ANN201
-    """Load the model with a progress bar (on stderr) of bytes streamed in."""
-    from kubeinfer.runtime.loader import load_model
-
-    columns = (TextColumn("loading"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("weights", total=None)
-
-        def on_progress(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
-
-        return load_model(model_dir, dtype=dtype, device=device, on_progress=on_progress)
-
-
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: Path = typer.Option(..., "--model", help="Model folder (HF format, safetensors)."),
@@ -43,24 +29,43 @@ def generate(
     device: str = typer.Option("cpu", help="cpu | cuda | cuda:N"),
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
 ) -> None:
-    """Generate a greedy completion of PROMPT, streamed to stdout."""
-    from kubeinfer.runtime.greedy import greedy_tokens
-    from kubeinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+    """Generate a greedy completion of PROMPT with the engine, streamed to stdout."""
+    from kubeinfer.runtime.engine.config import EngineConfig
+    from kubeinfer.runtime.engine.engine import Engine
+    from kubeinfer.runtime.engine.sampling_params import SamplingParams
+    from kubeinfer.runtime.loader import ProgressCallback
 
     logging.basicConfig(level=logging.WARNING)
     console = Console(stderr=True)
+    columns = (TextColumn("loading"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     try:
-        tokenizer = Tokenizer.from_dir(model)
-        llm = load_with_progress(model, dtype, device, console)
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("weights", total=None)
+            on_progress: ProgressCallback = lambda done, total: progress.update(  # noqa: E731
+                task, completed=done, total=total
+            )
+            engine = Engine(
+                model,
+                EngineConfig(max_num_seqs=1),
+                dtype=dtype,
+                device=device,
+                on_progress=on_progress,
+            )
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{model}: no tokenizer.json, so no text prompts")
         if chat and tokenizer.chat_template:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            prompt_ids: str | list[int] = tokenizer.encode_chat(
+                [{"role": "user", "content": prompt}]
+            )
         else:
-            prompt_ids = tokenizer.encode(prompt)
-        detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        for token in greedy_tokens(llm, prompt_ids, max_tokens, tokenizer.eos_token_ids):
-            sys.stdout.write(detok.push([token]))
-            sys.stdout.flush()
-        sys.stdout.write(detok.flush() + "\n")
+            prompt_ids = prompt
+        engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+        while engine.has_unfinished:
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].new_text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
     except (KubeinferError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None

@@ -42,7 +42,7 @@ def test_generate_reports_a_bad_model_dir(tmp_path: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 1
-    assert "tokenizer.json" in out.stderr and "Traceback" not in out.stderr
+    assert "config.json" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_greedy_matches_transformers_generate(tiny_models: dict[str, Path]) -> None:
