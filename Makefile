@@ -56,6 +56,8 @@ test: lint pytest
 
 bench: venv model
 	@$(TIMED) bench-loader $(PY) bench/loader.py
+	@$(TIMED) bench-scheduler $(PY) bench/scheduler.py
+	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
