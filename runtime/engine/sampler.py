@@ -45,9 +45,10 @@ class Sampler:
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
             probs = self._filtered_probs(logits[idx], [rows[i].params for i in random_rows])
-            race = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                race[j].exponential_(generator=rows[i].generator or self._generator)
+            race = torch.empty_like(probs).exponential_(generator=self._generator)
+            for j, i in enumerate(random_rows):  # seeded rows draw from their own stream
+                if rows[i].generator is not None:
+                    race[j].exponential_(generator=rows[i].generator)
             tokens[idx] = (probs / race).argmax(dim=-1)
         return tokens.tolist()
 
