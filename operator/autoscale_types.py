@@ -1,0 +1,138 @@
+"""The data that crosses the autoscaler's boundaries: scrape -> windows -> decide -> daemon.
+
+Everything here is a plain dataclass (slots) with no behaviour beyond trivial helpers, so the
+pure decision (`autoscaler.decide`), the sample store (`scrape.SampleStore`), the daemon and the
+trace-replay simulator (`bench/autoscale_sim.py`) share one vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+MetricName = Literal[
+    "generationTokensPerSecond",
+    "totalTokensPerSecond",
+    "requestsWaiting",
+    "requestsRunning",
+    "kvCacheUsage",
+]
+METRIC_NAMES: tuple[MetricName, ...] = (
+    "generationTokensPerSecond",
+    "totalTokensPerSecond",
+    "requestsWaiting",
+    "requestsRunning",
+    "kvCacheUsage",
+)
+# How a metric reads in a reason or an event ("generation tokens/s 5,400 over target ...").
+METRIC_LABELS: dict[MetricName, str] = {
+    "generationTokensPerSecond": "generation tokens/s",
+    "totalTokensPerSecond": "total tokens/s",
+    "requestsWaiting": "requests waiting",
+    "requestsRunning": "requests running",
+    "kvCacheUsage": "KV cache usage",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class Policy:
+    """spec.autoscaling of an InferenceModel, plus the fixed constants of the algorithm."""
+
+    min_replicas: int = 1
+    max_replicas: int = 4
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    scale_down_delay_s: float = 300.0
+    # |load / (replicas * target) - 1| within this: hold.
+    tolerance: float = 0.1
+    # The panic window asking for this many times the ready replicas starts panic mode.
+    panic_threshold: float = 2.0
+    # One step grows to at most this many times the ready replicas (and at least +1) ...
+    max_scale_up_rate: float = 2.0
+    # ... and shrinks to no less than replicas / this.
+    max_scale_down_rate: float = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class MetricReading:
+    """One metric over both windows, summed over the ready pods that had data.
+
+    `*_total` is the sum of the per-pod window values (a rate for counters, the mean for
+    gauges) over the `num_*_pods` ready pods with enough samples in that window; ready pods
+    without data (failed or too few scrapes) are simply not in the sum.
+    """
+
+    metric: MetricName
+    target_per_replica: float
+    stable_total: float
+    num_stable_pods: int
+    panic_total: float
+    num_panic_pods: int
+
+
+@dataclass(slots=True, frozen=True)
+class Observation:
+    """What the daemon knows at one tick.
+
+    `current_replicas` is spec.replicas: every pod asked for, ready or still starting, is
+    capacity already on its way. `num_ready` counts the ready (serving) pods.
+    """
+
+    now: float
+    current_replicas: int
+    num_ready: int
+    readings: tuple[MetricReading, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class ScalerState:
+    """What `decide` carries from one tick to the next (kept in kopf's memo).
+
+    `recommendations` are (time, replicas) over the last scale_down_delay_s; `panic_until`
+    is when panic mode ends unless the panic condition holds again.
+    """
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    panic_until: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """The replicas to ask for and why.
+
+    `replicas` is what to write to spec.replicas (== current when holding). `recommended` is
+    what the metrics asked for before rate limits and the [min, max] clamp. `is_limited` says
+    the clamp cut the recommendation (ScalingLimited), with `limited_reason`.
+    """
+
+    replicas: int
+    reason: str
+    recommended: int
+    is_limited: bool
+    limited_reason: str
+    is_panicking: bool
+    metric: MetricName | None
+    state: ScalerState
+
+
+@dataclass(slots=True, frozen=True)
+class PodTarget:
+    """A pod to scrape: its name and its metrics URL."""
+
+    name: str
+    url: str
+
+
+@dataclass(slots=True)
+class PodSample:
+    """One scrape of one pod: counters and gauges by our metric names (failed: `error`)."""
+
+    pod: str
+    time: float
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None
