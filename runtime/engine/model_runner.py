@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kubeinfer.kernels import paged_attention_reference, store_kv_reference
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
 from kubeinfer.runtime.engine.sched_output import SchedulerOutput
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
+from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps, select_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -38,22 +38,35 @@ class PagedAttention:
         query_start_loc: torch.Tensor,
         scale: float,
         sliding_window: int | None,
-        store_kv: Callable[..., None] = store_kv_reference,
-        attend: Callable[..., torch.Tensor] = paged_attention_reference,
+        ops: KernelOps = TORCH_OPS,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.slot_mapping, self.block_tables = slot_mapping, block_tables
         self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
         self.scale, self.sliding_window = scale, sliding_window
-        self._store_kv, self._attend = store_kv, attend
+        self.ops = ops
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
 
     def forward(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
-        self._store_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, self.slot_mapping)
-        return self._attend(
-            q.contiguous(),
+        self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if self.ops is TORCH_OPS:
+            return self.ops.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                self.query_start_loc,
+                self.scale,
+                sliding_window=self.sliding_window,
+            )
+        return self.ops.paged_attention(  # host-side maxima spare the kernel a device sync
+            q,
             k_cache,
             v_cache,
             self.block_tables,
@@ -61,6 +74,8 @@ class PagedAttention:
             self.query_start_loc,
             self.scale,
             sliding_window=self.sliding_window,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
         )
 
 
@@ -83,6 +98,8 @@ class ModelRunner:
             on_progress=on_progress,
         )
         self.model: LlamaForCausalLM = model
+        self.ops = select_kernels(config.kernels, self.device)
+        model.use_kernels(self.ops)
         self.dtype = model.lm_head.weight.dtype
         self.max_model_len = model.max_positions
         mc = model.config
@@ -166,6 +183,9 @@ class ModelRunner:
             put(batch.query_start_loc),
             self.model.attention_scale,
             self.model.config.sliding_window,
+            self.ops,
+            max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=int(batch.seq_lens.max()),
         )
         hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
         results: list[int | None] = [None] * len(out.scheduled)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kubeinfer.runtime.models.config import ModelConfig, RopeConfig
+from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +23,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.ops: KernelOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        shape = x.shape
+        out = self.ops.rms_norm(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.eps)
+        return out.view(shape)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -65,6 +65,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
         self.cos_sin_cache: torch.Tensor | None = None
+        self.ops: KernelOps = TORCH_OPS
 
     def materialize(self, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
@@ -75,17 +76,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (T, H, D), k: (T, Hkv, D), positions: (T,)
+        # q: (T, H, D), k: (T, Hkv, D), positions: (T,); rotated in place
         assert self.cos_sin_cache is not None, "materialize() was not called"
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # (T, D/2) each
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        return self.ops.rotary_embedding(positions, q, k, self.cos_sin_cache, True)
 
 
 class MLP(nn.Module):
@@ -100,7 +93,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
+        self.ops: KernelOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -16,6 +16,7 @@ from torch import nn
 from kubeinfer.runtime.models.attention import AttentionBackend
 from kubeinfer.runtime.models.config import ModelConfig
 from kubeinfer.runtime.models.layers import MLP, RMSNorm, RotaryEmbedding
+from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
 
 # Checkpoint tensors that carry nothing we need (rotary caches some exporters save).
 IGNORED_TENSORS = re.compile(r".*(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")
@@ -122,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops: KernelOps = TORCH_OPS
 
     @property
     def attention_scale(self) -> float:
@@ -134,6 +136,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def use_kernels(self, ops: KernelOps) -> None:
+        """Route every norm, rotary and activation through `ops` (Triton or torch)."""
+        self.ops = ops
+        for module in self.modules():
+            if hasattr(module, "ops"):
+                module.ops = ops
 
     def materialize(self, device: torch.device) -> None:
         """Compute the non-parameter state (the rotary cache) once weights have real storage."""
