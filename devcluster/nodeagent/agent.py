@@ -35,7 +35,11 @@ class NodeAgent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.kube = Kube(config.kubeconfig)
-        self.ctx = AgentContext(config=config, kube=self.kube, ipam=Ipam(config.pod_cidr))
+        self.ctx = AgentContext(
+            config=config,
+            kube=self.kube,
+            ipam=Ipam(config.pod_cidr, str(config.state_dir.resolve())),
+        )
         self.node_names = set(config.nodes.node_names())
         self.workers: dict[str, PodWorker] = {}
         self.stopping = threading.Event()

@@ -5,6 +5,7 @@ another pod)."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import threading
 
@@ -14,14 +15,18 @@ class IpamExhaustedError(RuntimeError):
 
 
 class Ipam:
-    def __init__(self, cidr: str = "127.1.0.0/16") -> None:
+    def __init__(self, cidr: str = "127.1.0.0/16", start_key: str = "") -> None:
         network = ipaddress.ip_network(cidr)
         if not network.subnet_of(ipaddress.ip_network("127.0.0.0/8")):
             raise ValueError(f"pod range {cidr} is not loopback")
         # skip .0 and .255 of each /24: never ambiguous, even to tools that assume /24s
         self._pool = [str(ip) for ip in network.hosts() if ip.packed[-1] not in (0, 255)]
         self._by_uid: dict[str, str] = {}
-        self._next = 0
+        # Two dev clusters on one machine (two checkouts, or CI beside a developer) share the
+        # loopback range: each starts its round-robin at an offset taken from its own key, so
+        # their pods do not compete for the same first addresses.
+        digest = hashlib.sha256(start_key.encode()).digest()
+        self._next = int.from_bytes(digest[:4], "big") % len(self._pool) if start_key else 0
         self._lock = threading.Lock()
 
     def allocate(self, uid: str, preferred: str | None = None) -> str:

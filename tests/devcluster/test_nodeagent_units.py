@@ -279,3 +279,11 @@ def test_up_without_binaries_says_how_to_build_them(tmp_path: Path) -> None:
     cluster = DevCluster(Layout(tmp_path / "dev"), tmp_path / "no-bin", NodeConfig())
     with pytest.raises(DevClusterError, match="make controlplane"):
         cluster.up()
+
+
+def test_ipam_offsets_differ_per_cluster_key() -> None:
+    """Two dev clusters on one machine start handing out addresses at different places."""
+    a = Ipam("127.1.0.0/16", "/work/a/.cache/dev").allocate("pod")
+    b = Ipam("127.1.0.0/16", "/tmp/ci/.cache/dev").allocate("pod")
+    assert a != b and a.startswith("127.1.") and b.startswith("127.1.")
+    assert Ipam("127.1.0.0/16", "/work/a/.cache/dev").allocate("x") == a  # stable per key
