@@ -47,7 +47,7 @@ class Policy:
     tolerance: float = 0.1
     # The panic window asking for this many times the ready replicas starts panic mode.
     panic_threshold: float = 2.0
-    # One step grows to at most this many times the ready replicas (and at least +1) ...
+    # One step grows to at most this many times the current replicas (and at least +1) ...
     max_scale_up_rate: float = 2.0
     # ... and shrinks to no less than replicas / this.
     max_scale_down_rate: float = 2.0

@@ -19,7 +19,9 @@ Semantics (each one is pinned by `tests/operator/test_autoscaler.py`):
   While panicking the recommendation is the larger of both windows' and never below the
   current replicas (the ratchet): scale up at once, never down.
 - **Fast up, bounded.** A scale-up is applied at once, to at most `max_scale_up_rate` (2x)
-  the ready replicas and at least one more than them, and never below current.
+  the current replicas and at least one more. Since the recommendation is absolute (a total
+  over a target, with pods on their way already counted), repeated ticks do not compound:
+  the cap only bounds how far one reading can move the replicas in one tick.
 - **Slow down.** A scale-down only follows recommendations that stayed lower for
   `scale_down_delay_s`: the target is the highest recommendation in that window, and one step
   at most halves the replicas. A fresh state counts the current replicas as a recommendation
@@ -149,10 +151,10 @@ def decide(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
 
     replicas, reason = current, rec.reason
     if recommended > current:
-        limit = max(math.ceil(policy.max_scale_up_rate * num_ready - _EPS), num_ready + 1)
-        replicas = max(current, min(recommended, limit))
+        limit = max(math.ceil(policy.max_scale_up_rate * current - _EPS), current + 1)
+        replicas = min(recommended, limit)
         if replicas < recommended:
-            reason += f" (step limited to {replicas}: {num_ready} ready)"
+            reason += f" (step limited to {replicas})"
     elif recommended < current:
         highest = max(n for _, n in history)
         floor = math.ceil(current / policy.max_scale_down_rate - _EPS)

@@ -273,3 +273,13 @@ def test_fresh_state_waits_a_full_delay_before_scaling_down() -> None:
     assert d.replicas == 4 and "delayed" in d.reason
     later = decide(POLICY, Observation(301.0, 4, 4, (_reading(500, 4),)), d.state)
     assert later.replicas == 2
+
+
+def test_one_tick_at_most_doubles_and_pods_on_their_way_count() -> None:
+    state = ScalerState(recommendations=((-1000.0, 1),))
+    obs = Observation(0.0, 2, 1, (_reading(10_000, 1, panic=0),))
+    d = decide(POLICY, obs, state)
+    assert d.replicas == 4 and "step limited to 4" in d.reason, d
+    # the same shortfall, seen again while those pods start, asks for nothing beyond it
+    again = decide(POLICY, Observation(5.0, 10, 1, (_reading(10_000, 1, panic=0),)), d.state)
+    assert again.replicas == 10
