@@ -15,68 +15,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
 from kubeinfer.runtime.engine.sched_output import SchedulerOutput
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
-from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps, select_kernels
+from kubeinfer.runtime.models.ops import select_kernels
 
 logger = logging.getLogger(__name__)
-
-
-class PagedAttention:
-    """The attention backend of one step: store the new k/v by slot, attend over the cache."""
-
-    def __init__(
-        self,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        ops: KernelOps = TORCH_OPS,
-        max_query_len: int | None = None,
-        max_seq_len: int | None = None,
-    ) -> None:
-        self.kv_caches = kv_caches
-        self.slot_mapping, self.block_tables = slot_mapping, block_tables
-        self.seq_lens, self.query_start_loc = seq_lens, query_start_loc
-        self.scale, self.sliding_window = scale, sliding_window
-        self.ops = ops
-        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
-
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        if self.ops is TORCH_OPS:
-            return self.ops.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                self.block_tables,
-                self.seq_lens,
-                self.query_start_loc,
-                self.scale,
-                sliding_window=self.sliding_window,
-            )
-        return self.ops.paged_attention(  # host-side maxima spare the kernel a device sync
-            q,
-            k_cache,
-            v_cache,
-            self.block_tables,
-            self.seq_lens,
-            self.query_start_loc,
-            self.scale,
-            sliding_window=self.sliding_window,
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-        )
 
 
 class ModelRunner:
@@ -177,15 +125,11 @@ class ModelRunner:
 
         attn = PagedAttention(
             self.kv_caches,
-            put(batch.slot_mapping),
-            put(batch.block_tables),
-            put(batch.seq_lens),
-            put(batch.query_start_loc),
+            batch,
+            dev,
             self.model.attention_scale,
             self.model.config.sliding_window,
             self.ops,
-            max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=int(batch.seq_lens.max()),
         )
         hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
         results: list[int | None] = [None] * len(out.scheduled)
