@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from kubeinfer.runtime.errors import KubeinferError
+from kubeinfer.runtime.loadgen import loadgen
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ def register(app: typer.Typer) -> None:
     """Add the runtime's commands to the root app."""
     app.command()(generate)
     app.command()(serve)
+    app.command()(loadgen)
 
 
 def generate(
