@@ -58,6 +58,7 @@ bench: venv model
 	@$(TIMED) bench-loader $(PY) bench/loader.py
 	@$(TIMED) bench-scheduler $(PY) bench/scheduler.py
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
+	@$(TIMED) bench-serve $(PY) bench/serve.py
 	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py
 
 clean:
