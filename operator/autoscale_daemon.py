@@ -1,0 +1,392 @@
+"""The per-model autoscaling daemon: pods -> scrape -> windows -> decide -> scale, status, event.
+
+`autoscale_tick` is one round with every dependency injected (`AutoscalerApi`, a scrape
+function, clocks), so tests drive it without kopf or a cluster; `run_autoscaler` loops it every
+scrapeIntervalSeconds; `autoscale_daemon` is the thin kopf adapter the operator registers:
+
+    kopf.daemon(GROUP, VERSION, PLURAL, when=autoscaling_enabled)(autoscale_daemon)
+
+Promises: the daemon is the only writer of spec.replicas while autoscaling is on (through the
+scale subresource); it writes status.desiredReplicas, .metrics, .lastScaleTime, the last 5
+.scalingHistory entries and the ScalingActive / ScalingLimited conditions with server-side
+apply under its own field manager (other conditions are left to their owners); each scale
+emits one event ("scaled 1 -> 3: generation tokens/s 5,400 over target 1,000 per replica").
+A failing API call or scrape never stops the loop: it is logged and the next tick retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kubeinfer.operator.autoscale_types import (
+    Decision,
+    MetricName,
+    Observation,
+    PodSample,
+    PodTarget,
+    Policy,
+    ScalerState,
+)
+from kubeinfer.operator.autoscaler import decide
+from kubeinfer.operator.scrape import SampleStore
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_PORT = 8000  # contract: the runtime listens on the pod IP, port 8000
+FIELD_MANAGER = "kubeinfer-autoscaler"
+NUM_HISTORY = 5
+MEMO_KEY = "autoscaler"
+
+
+@dataclass(slots=True, frozen=True)
+class AutoscalingSettings:
+    """spec.autoscaling, parsed (defaults as in the CRD)."""
+
+    is_enabled: bool
+    metric: MetricName
+    target_per_replica: float
+    scrape_interval_s: float
+    policy: Policy
+
+
+def settings_from_spec(spec: Mapping[str, Any]) -> AutoscalingSettings:
+    a = spec.get("autoscaling") or {}
+    policy = Policy(
+        min_replicas=int(a.get("minReplicas", 1)),
+        max_replicas=int(a.get("maxReplicas", 4)),
+        stable_window_s=float(a.get("stableWindowSeconds", 60)),
+        panic_window_s=float(a.get("panicWindowSeconds", 6)),
+        scale_down_delay_s=float(a.get("scaleDownDelaySeconds", 300)),
+    )
+    return AutoscalingSettings(
+        is_enabled=bool(a.get("enabled", False)),
+        metric=a.get("metric", "generationTokensPerSecond"),
+        target_per_replica=float(a.get("targetPerReplica", 1000)),
+        scrape_interval_s=float(a.get("scrapeIntervalSeconds", 5)),
+        policy=policy,
+    )
+
+
+def autoscaling_enabled(spec: Mapping[str, Any], **_: Any) -> bool:
+    """kopf `when=` filter: run the daemon only for models with autoscaling on."""
+    return bool((spec.get("autoscaling") or {}).get("enabled", False))
+
+
+@dataclass(slots=True)
+class PodInfo:
+    name: str
+    ip: str
+    is_ready: bool
+
+
+class AutoscalerApi(Protocol):
+    """What the daemon needs from the API server (for one model)."""
+
+    async def list_pods(self, selector: str) -> list[PodInfo]: ...
+    async def scale(self, replicas: int) -> None: ...
+    async def apply_status(self, status: dict[str, Any]) -> None: ...
+    async def event(self, reason: str, message: str) -> None: ...
+
+
+Scrape = Callable[[list[PodTarget]], Awaitable[list[PodSample]]]
+
+
+@dataclass
+class AutoscalerMemory:
+    """What survives between ticks (kept in kopf's per-object memo)."""
+
+    store: SampleStore
+    state: ScalerState = field(default_factory=ScalerState)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    last_scale_time: str | None = None
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # type -> (status, t)
+    last_status: dict[str, Any] | None = None
+
+
+def new_memory(settings: AutoscalingSettings) -> AutoscalerMemory:
+    p = settings.policy
+    retention = max(p.stable_window_s, p.panic_window_s) + 3 * settings.scrape_interval_s
+    return AutoscalerMemory(
+        SampleStore(retention_s=retention, grace_s=settings.scrape_interval_s / 2)
+    )
+
+
+def _iso(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition(
+    mem: AutoscalerMemory, kind: str, is_true: bool, reason: str, message: str, now: str
+) -> dict[str, Any]:
+    status = "True" if is_true else "False"
+    prev = mem.transitions.get(kind)
+    since = prev[1] if prev and prev[0] == status else now
+    mem.transitions[kind] = (status, since)
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since,
+    }
+
+
+async def autoscale_tick(
+    *,
+    spec: Mapping[str, Any],
+    selector: str,
+    api: AutoscalerApi,
+    scrape: Scrape,
+    memory: AutoscalerMemory,
+    now: float,
+    wall_now: dt.datetime,
+) -> Decision:
+    """One round: list pods, scrape the ready ones, decide, scale if needed, write status."""
+    settings = settings_from_spec(spec)
+    current = int(spec.get("replicas", 1))
+    pods = await api.list_pods(selector)
+    ready = [p for p in pods if p.is_ready and p.ip]
+    samples = await scrape(
+        [PodTarget(p.name, f"http://{p.ip}:{RUNTIME_PORT}/metrics") for p in ready]
+    )
+    store = memory.store
+    store.add(samples)
+    store.retain([p.name for p in pods], now)
+    policy = settings.policy
+    ready_names = [p.name for p in ready]
+    reading = store.reading(
+        settings.metric,
+        settings.target_per_replica,
+        ready_pods=ready_names,
+        now=now,
+        stable_window_s=policy.stable_window_s,
+        panic_window_s=policy.panic_window_s,
+    )
+    decision = decide(policy, Observation(now, current, len(ready), (reading,)), memory.state)
+    memory.state = decision.state
+    stamp = _iso(wall_now)
+    if decision.replicas != current:
+        await api.scale(decision.replicas)
+        message = f"scaled {current} -> {decision.replicas}: {decision.reason}"
+        logger.info("%s", message)
+        memory.history = [
+            *memory.history,
+            {"time": stamp, "from": current, "to": decision.replicas, "reason": decision.reason},
+        ][-NUM_HISTORY:]
+        memory.last_scale_time = stamp
+        await api.event("Scaled", message)
+    snapshot = store.snapshot(ready_names, now, policy.stable_window_s)
+    await _write_status(api, memory, decision, snapshot, reading.num_stable_pods, len(ready), stamp)
+    return decision
+
+
+async def _write_status(
+    api: AutoscalerApi,
+    memory: AutoscalerMemory,
+    decision: Decision,
+    snapshot: Mapping[str, float],
+    num_with_data: int,
+    num_ready: int,
+    stamp: str,
+) -> None:
+    if num_with_data:
+        active = _condition(
+            memory, "ScalingActive", True, "ValidMetricFound", decision.reason, stamp
+        )
+    else:
+        why = "no ready pods" if num_ready == 0 else "no pod's metrics could be read"
+        active = _condition(memory, "ScalingActive", False, "FailedGetMetrics", why, stamp)
+    if not decision.is_limited:
+        reason, message = "DesiredWithinRange", "the recommendation is within [min, max]"
+    elif decision.recommended > decision.replicas:
+        reason, message = "TooManyReplicas", decision.limited_reason
+    else:
+        reason, message = "TooFewReplicas", decision.limited_reason
+    limited = _condition(memory, "ScalingLimited", decision.is_limited, reason, message, stamp)
+    status: dict[str, Any] = {
+        "desiredReplicas": decision.replicas,
+        "metrics": {k: round(v, 3) for k, v in snapshot.items()},
+        "scalingHistory": memory.history,
+        "conditions": [active, limited],
+    }
+    if memory.last_scale_time:
+        status["lastScaleTime"] = memory.last_scale_time
+    if status != memory.last_status:
+        await api.apply_status(status)
+        memory.last_status = status
+
+
+async def run_autoscaler(
+    *,
+    read_spec: Callable[[], Mapping[str, Any]],
+    read_selector: Callable[[], str],
+    api: AutoscalerApi,
+    scrape: Scrape,
+    memory: AutoscalerMemory,
+    is_stopped: Callable[[], bool],
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Tick every scrapeIntervalSeconds until stopped or autoscaling is turned off."""
+    while not is_stopped():
+        spec = read_spec()
+        settings = settings_from_spec(spec)
+        if not settings.is_enabled:
+            return
+        try:
+            await autoscale_tick(
+                spec=spec,
+                selector=read_selector(),
+                api=api,
+                scrape=scrape,
+                memory=memory,
+                now=clock(),
+                wall_now=wall_clock(),
+            )
+        except Exception:  # noqa: BLE001 - one bad round (API hiccup) must not end scaling
+            logger.exception("autoscaler tick failed; retrying next interval")
+        await sleep(settings.scrape_interval_s)
+
+
+GROUP, VERSION, PLURAL, KIND = "kubeinfer.dev", "v1alpha1", "inferencemodels", "InferenceModel"
+
+
+class KubeAutoscalerApi:
+    """AutoscalerApi on the Kubernetes Python client (blocking calls run in a thread)."""
+
+    def __init__(self, api_client: Any, *, namespace: str, name: str, uid: str) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.namespace, self.name, self.uid = namespace, name, uid
+
+    async def list_pods(self, selector: str) -> list[PodInfo]:
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod, self.namespace, label_selector=selector
+        )
+        out = []
+        for pod in pods.items:
+            status = pod.status
+            if pod.metadata.deletion_timestamp is not None or status is None:
+                continue  # terminating pods are no capacity
+            is_ready = any(
+                c.type == "Ready" and c.status == "True" for c in status.conditions or []
+            )
+            out.append(PodInfo(pod.metadata.name, status.pod_ip or "", is_ready))
+        return out
+
+    async def scale(self, replicas: int) -> None:
+        await asyncio.to_thread(
+            self.custom.patch_namespaced_custom_object_scale,
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            self.name,
+            {"spec": {"replicas": replicas}},
+            _content_type="application/merge-patch+json",
+        )
+
+    async def apply_status(self, status: dict[str, Any]) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "status": status,
+        }
+        await asyncio.to_thread(
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            self.name,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+        )
+
+    async def event(self, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid,
+            },
+            "reason": reason,
+            "message": message,
+            "type": "Normal",
+            "source": {"component": FIELD_MANAGER},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await asyncio.to_thread(self.core.create_namespaced_event, self.namespace, body)
+
+
+def _default_api_client() -> Any:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+async def autoscale_daemon(
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
+    name: str,
+    namespace: str,
+    uid: str,
+    memo: MutableMapping[str, Any],
+    stopped: Any,
+    **_: Any,
+) -> None:
+    """kopf daemon (per InferenceModel with autoscaling on); kopf's spec/status are live views.
+
+    Uses `memo["api_client"]` (a kubernetes ApiClient) when the operator put one there, else
+    the in-cluster or local kubeconfig. The scaler's windows and state live in
+    `memo["autoscaler"]`, so a daemon restarted by kopf keeps them.
+    """
+    import httpx
+
+    from kubeinfer.operator.scrape import scrape_pods
+
+    api = KubeAutoscalerApi(
+        memo.get("api_client") or _default_api_client(), namespace=namespace, name=name, uid=uid
+    )
+    settings = settings_from_spec(spec)
+    memory = memo.get(MEMO_KEY)
+    if not isinstance(memory, AutoscalerMemory):
+        memory = memo[MEMO_KEY] = new_memory(settings)
+    timeout_s = min(2.0, settings.scrape_interval_s / 2)
+    async with httpx.AsyncClient() as client:
+
+        async def scrape(targets: list[PodTarget]) -> list[PodSample]:
+            return await scrape_pods(client, targets, timeout_s=timeout_s)
+
+        await run_autoscaler(
+            read_spec=lambda: spec,
+            read_selector=lambda: (
+                (status or {}).get("selector") or f"app.kubernetes.io/instance={name}"
+            ),
+            api=api,
+            scrape=scrape,
+            memory=memory,
+            is_stopped=lambda: bool(stopped),
+        )

@@ -1,0 +1,175 @@
+"""The daemon body with fakes for the API and the scrape: scale, status, event, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from kubeinfer.operator.autoscale_daemon import (
+    PodInfo,
+    autoscale_tick,
+    new_memory,
+    run_autoscaler,
+    settings_from_spec,
+)
+from kubeinfer.operator.autoscale_types import PodSample, PodTarget
+
+WALL = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
+
+
+def model_spec(replicas: int = 1, **autoscaling: Any) -> dict[str, Any]:
+    a = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "targetPerReplica": 1000}
+    a |= {"stableWindowSeconds": 10, "panicWindowSeconds": 4, "scaleDownDelaySeconds": 20}
+    return {"replicas": replicas, "autoscaling": {**a, "scrapeIntervalSeconds": 2, **autoscaling}}
+
+
+class FakeCluster:
+    """Pods with generation counters growing at `rate` tok/s each; failing pods raise."""
+
+    def __init__(self, spec: dict[str, Any], num_ready: int, rate: float) -> None:
+        self.spec, self.rate, self.now = spec, rate, 0.0
+        self.pods = [PodInfo(f"p{i}", f"127.1.0.{i + 1}", True) for i in range(num_ready)]
+        self.failing: set[str] = set()
+        self.scaled: list[int] = []
+        self.statuses: list[dict[str, Any]] = []
+        self.events: list[tuple[str, str]] = []
+
+    async def list_pods(self, selector: str) -> list[PodInfo]:
+        assert selector == "app.kubernetes.io/instance=m"
+        return list(self.pods)
+
+    async def scale(self, replicas: int) -> None:
+        self.scaled.append(replicas)
+        self.spec["replicas"] = replicas
+        while len(self.pods) < replicas:  # new pods start (not ready) until a test says so
+            self.pods.append(PodInfo(f"p{len(self.pods)}", "", False))
+
+    async def apply_status(self, status: dict[str, Any]) -> None:
+        self.statuses.append(status)
+
+    async def event(self, reason: str, message: str) -> None:
+        self.events.append((reason, message))
+
+    async def scrape(self, targets: list[PodTarget]) -> list[PodSample]:
+        assert all(t.url.endswith(":8000/metrics") for t in targets)
+        return [
+            PodSample(t.name, self.now, error="ConnectTimeout")
+            if t.name in self.failing
+            else PodSample(t.name, self.now, {"vllm:generation_tokens_total": self.rate * self.now})
+            for t in targets
+        ]
+
+    def tick(self, memory: Any) -> Any:
+        return asyncio.run(
+            autoscale_tick(
+                spec=self.spec,
+                selector="app.kubernetes.io/instance=m",
+                api=self,
+                scrape=self.scrape,
+                memory=memory,
+                now=self.now,
+                wall_now=WALL + dt.timedelta(seconds=self.now),
+            )
+        )
+
+
+def run_ticks(cluster: FakeCluster, memory: Any, until: float, step: float = 2.0) -> None:
+    while cluster.now <= until:
+        cluster.tick(memory)
+        cluster.now += step
+
+
+def test_load_scales_up_with_an_event_history_and_status() -> None:
+    spec = model_spec()
+    cluster = FakeCluster(spec, num_ready=1, rate=3000)
+    memory = new_memory(settings_from_spec(spec))
+    run_ticks(cluster, memory, until=2)
+    assert cluster.scaled == [2]
+    reason, message = cluster.events[0]
+    assert reason == "Scaled"
+    assert message.startswith("scaled 1 -> 2: generation tokens/s 3,000 over target 1,000")
+    status = cluster.statuses[-1]
+    assert status["desiredReplicas"] == 2
+    assert status["metrics"]["generationTokensPerSecond"] == 3000
+    assert status["lastScaleTime"] == "2026-12-02T12:00:02Z"
+    assert status["scalingHistory"] == [
+        {"time": "2026-12-02T12:00:02Z", "from": 1, "to": 2, "reason": message.split(": ", 1)[1]}
+    ]
+    types = {c["type"]: c for c in status["conditions"]}
+    assert types["ScalingActive"]["status"] == "True"
+    assert types["ScalingLimited"]["status"] == "False"
+    # the step cap lifted, the rest of the shortfall follows; pods still starting count as
+    # capacity on its way, so the same shortfall is not asked for again
+    run_ticks(cluster, memory, until=20)
+    assert cluster.scaled == [2, 3]
+
+
+def test_max_replicas_is_reported_as_scaling_limited() -> None:
+    spec = model_spec(replicas=4)
+    cluster = FakeCluster(spec, num_ready=4, rate=5000)
+    memory = new_memory(settings_from_spec(spec))
+    run_ticks(cluster, memory, until=4)
+    limited = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["ScalingLimited"]
+    assert limited["status"] == "True" and limited["reason"] == "TooManyReplicas"
+    assert "maxReplicas 4" in limited["message"] and cluster.scaled == []
+
+
+def test_failed_scrapes_under_load_never_scale_down() -> None:
+    spec = model_spec(replicas=3)
+    cluster = FakeCluster(spec, num_ready=3, rate=1000)
+    memory = new_memory(settings_from_spec(spec))
+    run_ticks(cluster, memory, until=10)
+    cluster.failing = {"p1", "p2"}  # two of three pods stop answering
+    run_ticks(cluster, memory, until=60)
+    cluster.failing = {"p0", "p1", "p2"}
+    run_ticks(cluster, memory, until=100)
+    assert cluster.scaled == []
+    active = {c["type"]: c for c in cluster.statuses[-1]["conditions"]}["ScalingActive"]
+    assert active["status"] == "False" and active["reason"] == "FailedGetMetrics"
+
+
+def test_idle_scales_down_after_the_delay_and_history_keeps_five() -> None:
+    spec = model_spec(replicas=4)
+    cluster = FakeCluster(spec, num_ready=4, rate=0)
+    memory = new_memory(settings_from_spec(spec))
+    memory.history = [{"time": "t", "from": 1, "to": 1, "reason": "old"}] * 5
+    run_ticks(cluster, memory, until=18)
+    assert cluster.scaled == [], "nothing before scaleDownDelaySeconds"
+    run_ticks(cluster, memory, until=40)
+    assert cluster.scaled == [2, 1]  # at most halving per step
+    history = cluster.statuses[-1]["scalingHistory"]
+    assert len(history) == 5 and [h["to"] for h in history[-2:]] == [2, 1]
+
+
+def test_loop_survives_a_failing_round_and_stops_when_disabled() -> None:
+    spec = model_spec()
+    cluster = FakeCluster(spec, num_ready=1, rate=500)
+    calls = {"n": 0}
+
+    async def flaky_list(selector: str) -> list[PodInfo]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("API server hiccup")
+        if calls["n"] == 3:
+            spec["autoscaling"]["enabled"] = False
+        return list(cluster.pods)
+
+    cluster.list_pods = flaky_list  # type: ignore[method-assign]
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    asyncio.run(
+        run_autoscaler(
+            read_spec=lambda: spec,
+            read_selector=lambda: "app.kubernetes.io/instance=m",
+            api=cluster,
+            scrape=cluster.scrape,
+            memory=new_memory(settings_from_spec(spec)),
+            is_stopped=lambda: len(slept) > 10,
+            sleep=sleep,
+        )
+    )
+    assert calls["n"] == 3 and slept == [2.0, 2.0, 2.0]
