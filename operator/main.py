@@ -1,0 +1,81 @@
+"""Run the operator: metrics endpoint, API client, reconciler, then kopf until stopped.
+
+`run_operator(settings)` is the whole program behind `kubeinfer operator run`; tests and the
+benchmark start it as a subprocess. It watches the namespaces in the settings (the whole
+cluster when none), runs standalone unless peering is on, and serves kopf's liveness probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from kubeinfer.operator.handlers import build_registry
+from kubeinfer.operator.kube import KubeApi
+from kubeinfer.operator.metrics import OperatorMetrics
+from kubeinfer.operator.reconciler import Reconciler
+from kubeinfer.operator.settings import OperatorSettings
+
+logger = logging.getLogger(__name__)
+
+
+def _sync_api_client() -> Any:
+    """A blocking kubernetes ApiClient for the autoscaler daemon (memo["api_client"])."""
+    from kubernetes import client, config
+
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not kubeconfig and os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig or None)
+
+
+async def run_operator(
+    settings: OperatorSettings,
+    *,
+    stop_flag: asyncio.Event | None = None,
+    ready_flag: asyncio.Event | None = None,
+) -> None:
+    metrics = OperatorMetrics()
+    metrics.serve(settings.metrics_host, settings.metrics_port)
+    api = await KubeApi.connect()
+    reconciler = Reconciler(api, settings, metrics)
+    memo = kopf.Memo(reconciler=reconciler, api_client=_sync_api_client())
+    liveness = (
+        f"http://{settings.liveness_host}:{settings.liveness_port}/healthz"
+        if settings.liveness_port
+        else None
+    )
+    logger.info(
+        "kubeinfer operator: %s, runtime image %s, %s",
+        "cluster-wide" if settings.is_clusterwide else f"namespaces {settings.namespaces}",
+        settings.runtime_image,
+        f"peering {settings.peering_name!r}" if settings.peering else "standalone",
+    )
+    await kopf.operator(
+        registry=build_registry(settings),
+        clusterwide=settings.is_clusterwide,
+        namespaces=settings.namespaces,
+        standalone=not settings.peering,
+        # kopf makes peering mandatory whenever a peering name is given
+        peering_name=settings.peering_name if settings.peering else None,
+        priority=settings.priority,
+        liveness_endpoint=liveness,
+        memo=memo,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # kopf logs every handler invocation at INFO; its warnings and errors are what matter.
+    kopf_level = logging.DEBUG if level == "debug" else logging.WARNING
+    logging.getLogger("kopf").setLevel(kopf_level)

@@ -1,0 +1,339 @@
+"""What should exist for one InferenceModel: `render(model, config) -> list[manifest]` (pure).
+
+A Deployment of the runtime (the runtime contract of DESIGN.md: command, POD_IP, probes, GPU
+limits, a read-only model volume, a locked-down security context, a GPU-safe rollout), a
+Service (port 8000, named http) and, when more than one replica is asked for, a
+PodDisruptionBudget. Each is owned by the model (controller owner reference), so deleting the
+model garbage-collects them. When autoscaling is on the Deployment carries no `replicas`: the
+reconciler sets it through the Deployment's scale subresource instead, so that the applied
+object never fights the scaling writer over that one field.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from kubeinfer.operator.settings import OperatorSettings
+from kubeinfer.operator.spec import InferenceModelSpec, ModelSource, parse_model_uri, parse_spec
+
+Manifest = dict[str, Any]
+
+GROUP = "kubeinfer.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceModel"
+PLURAL = "inferencemodels"
+PORT = 8000
+MODELS_ROOT = "/models"
+RUNTIME_CONTAINER = "runtime"
+MANAGED_BY = "kubeinfer"
+APP_NAME = "kubeinfer-runtime"
+#: Label keys; the selector is APP_NAME + the model's name.
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: APP_NAME, INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """The pods' selector as `kubectl get -l` and the scale subresource write it."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": "kubeinfer",
+        MANAGED_BY_LABEL: MANAGED_BY,
+    }
+
+
+def endpoint(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{PORT}/v1"
+
+
+def served_name(model: Mapping[str, Any], spec: InferenceModelSpec) -> str:
+    return spec.model.served_name or model["metadata"]["name"]
+
+
+def owner_reference(model: Mapping[str, Any]) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def wants_pdb(spec: InferenceModelSpec) -> bool:
+    return spec.replicas > 1
+
+
+def render(model: Mapping[str, Any], config: OperatorSettings) -> list[Manifest]:
+    """The children of `model` (an InferenceModel as the API returns it); InvalidSpecError
+    when its spec cannot be served."""
+    spec = parse_spec(model.get("spec") or {})
+    manifests = [render_deployment(model, spec, config), render_service(model)]
+    if wants_pdb(spec):
+        manifests.append(render_pdb(model))
+    return manifests
+
+
+def _metadata(model: Mapping[str, Any]) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {
+        "name": meta["name"],
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"]),
+        "ownerReferences": [owner_reference(model)],
+    }
+
+
+def render_deployment(
+    model: Mapping[str, Any], spec: InferenceModelSpec, config: OperatorSettings
+) -> Manifest:
+    name = model["metadata"]["name"]
+    source = parse_model_uri(spec.model.uri)
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # the runtime never calls the API server
+        "enableServiceLinks": False,  # a Service named `kubeinfer` would set KUBEINFER_PORT
+        "terminationGracePeriodSeconds": config.termination_grace_s,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_runtime_container(model, spec, source, config)],
+        "volumes": _volumes(source, config),
+        **_scheduling(spec),
+    }
+    if source.scheme == "hf":
+        pod_spec["initContainers"] = [_downloader(source, config)]
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        # A GPU node rarely has a spare accelerator for a surge pod: replace one at a time.
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        },
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": config.startup_budget_s + 600,
+        "template": {"metadata": {"labels": labels(name)}, "spec": pod_spec},
+    }
+    if not spec.autoscaling.enabled:
+        deployment_spec = {"replicas": spec.replicas, **deployment_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(model),
+        "spec": deployment_spec,
+    }
+
+
+def model_path(source: ModelSource) -> str:
+    """The folder `--model` names inside the container."""
+    if source.scheme == "pvc":
+        return f"{MODELS_ROOT}/{source.path}" if source.path else MODELS_ROOT
+    return f"{MODELS_ROOT}/model"
+
+
+def runtime_args(
+    model: Mapping[str, Any], spec: InferenceModelSpec, source: ModelSource
+) -> list[str]:
+    rt = spec.runtime
+    return [
+        "--model", model_path(source),
+        "--served-model-name", served_name(model, spec),
+        "--host", "$(POD_IP)",
+        "--port", str(PORT),
+        "--device", "cuda" if spec.resources.gpus > 0 else "cpu",
+        "--dtype", rt.dtype,
+        "--max-model-len", str(rt.max_model_len),
+        "--max-num-seqs", str(rt.max_num_seqs),
+        "--max-num-batched-tokens", str(rt.max_num_batched_tokens),
+        "--kv-cache-memory-fraction", f"{rt.kv_cache_memory_fraction:g}",
+        "--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching",
+        *rt.extra_args,
+    ]  # fmt: skip
+
+
+def _probe(path: str, period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period_s,
+        "timeoutSeconds": timeout_s,
+        "failureThreshold": failure_threshold,
+        "successThreshold": 1,
+    }
+
+
+def _runtime_container(
+    model: Mapping[str, Any],
+    spec: InferenceModelSpec,
+    source: ModelSource,
+    config: OperatorSettings,
+) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # The root filesystem is read-only: caches (torch, triton) and HOME live in /tmp.
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if spec.api_key_secret_ref.is_set:
+        ref = spec.api_key_secret_ref
+        env.append(
+            {
+                "name": "KUBEINFER_API_KEY",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    env.extend(var.to_api() for var in spec.runtime.env)
+    res = spec.resources
+    requests: dict[str, Any] = {"cpu": str(res.cpu), "memory": str(res.memory)}
+    limits: dict[str, Any] = {"memory": str(res.memory)}
+    if res.gpus > 0:
+        requests[res.gpu_resource_name] = str(res.gpus)
+        limits[res.gpu_resource_name] = str(res.gpus)
+    startup_period_s = 5
+    return {
+        "name": RUNTIME_CONTAINER,
+        "image": spec.runtime.image or config.runtime_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kubeinfer", "serve"],
+        "args": runtime_args(model, spec, source),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "startupProbe": _probe(
+            "/health", startup_period_s, max(1, config.startup_budget_s // startup_period_s), 5
+        ),
+        "readinessProbe": _probe("/ready", 2, 3, 2),
+        "livenessProbe": _probe("/health", 10, 3, 5),
+        "resources": {"requests": requests, "limits": limits},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": _mounts(source),
+    }
+
+
+def _mounts(source: ModelSource) -> list[dict[str, Any]]:
+    model_mount = MODELS_ROOT if source.scheme == "pvc" else f"{MODELS_ROOT}/model"
+    return [
+        {"name": "model", "mountPath": model_mount, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+
+
+def _volumes(source: ModelSource, config: OperatorSettings) -> list[dict[str, Any]]:
+    if source.scheme == "pvc":
+        model: dict[str, Any] = {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True},
+        }
+    elif source.scheme == "hostpath":
+        model = {"name": "model", "hostPath": {"path": source.path, "type": "Directory"}}
+    else:  # hf: the init container downloads into it
+        model = {"name": "model", "emptyDir": {}}
+    return [
+        model,
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+
+
+def _downloader(source: ModelSource, config: OperatorSettings) -> dict[str, Any]:
+    """An init container that fetches an hf:// model into the `model` emptyDir."""
+    revision = f", revision={source.revision!r}" if source.revision else ""
+    script = (
+        "pip install --quiet --no-cache-dir --target /tmp/hf 'huggingface_hub>=0.24' && "
+        "PYTHONPATH=/tmp/hf python -c "
+        + shlex.quote(
+            "from huggingface_hub import snapshot_download; "
+            f"snapshot_download({source.repo!r}{revision}, local_dir='/models/model', "
+            "allow_patterns=['*.json', '*.safetensors', '*.txt', '*.model'])"
+        )
+    )
+    return {
+        "name": "download",
+        "image": config.downloader_image,
+        "command": ["sh", "-c", script],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "volumeMounts": [
+            {"name": "model", "mountPath": f"{MODELS_ROOT}/model"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+def _scheduling(spec: InferenceModelSpec) -> dict[str, Any]:
+    sched = spec.scheduling
+    tolerations = list(sched.tolerations)
+    if spec.resources.gpus > 0:
+        # GPU node pools are commonly tainted with the resource name.
+        gpu = {
+            "key": spec.resources.gpu_resource_name,
+            "operator": "Exists",
+            "effect": "NoSchedule",
+        }
+        if gpu not in tolerations:
+            tolerations.append(gpu)
+    out: dict[str, Any] = {}
+    if sched.node_selector:
+        out["nodeSelector"] = dict(sched.node_selector)
+    if tolerations:
+        out["tolerations"] = tolerations
+    if sched.affinity:
+        out["affinity"] = dict(sched.affinity)
+    if sched.priority_class_name:
+        out["priorityClassName"] = sched.priority_class_name
+    if sched.runtime_class_name:
+        out["runtimeClassName"] = sched.runtime_class_name
+    return out
+
+
+def render_service(model: Mapping[str, Any]) -> Manifest:
+    name = model["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(model),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_pdb(model: Mapping[str, Any]) -> Manifest:
+    name = model["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(model),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }

@@ -1,0 +1,50 @@
+"""The operator's own Prometheus metrics (`kubeinfer_operator_*`) on a registry of its own.
+
+Reconciles by result, errors by kind, reconcile durations, drift repairs by child kind,
+status writes, and the number of models watched. `serve` starts the /metrics endpoint.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.reconciles = Counter(
+            "kubeinfer_operator_reconciles",
+            "Applies of an InferenceModel's children, by result.",
+            ["result"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "kubeinfer_operator_errors",
+            "Failed API calls and unservable specs, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kubeinfer_operator_reconcile_duration_seconds",
+            "Time to render and apply one InferenceModel's children.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.drift_repairs = Counter(
+            "kubeinfer_operator_drift_repairs",
+            "Children re-applied because they were deleted or edited, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.status_writes = Counter(
+            "kubeinfer_operator_status_writes", "InferenceModel status updates.", registry=r
+        )
+        self.models = Gauge(
+            "kubeinfer_operator_models", "InferenceModels the operator watches.", registry=r
+        )
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on host:port from a daemon thread (port 0: not at all)."""
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

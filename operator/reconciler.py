@@ -1,0 +1,366 @@
+"""The operator's loop body: apply a model's children, repair drift, keep its status current.
+
+`Reconciler` holds what the watches have shown (models, children, pods, the runtime's last
+/ready per pod) and does every write. kopf handlers (`handlers.py`) only feed it events and
+call `apply`. Promises:
+
+- `apply(model)` renders and server-side applies every child (field manager `kubeinfer`),
+  deletes a PDB that is no longer wanted, and carries spec.replicas to the Deployment's scale
+  subresource when autoscaling is on. Transient API errors propagate as `TransientApiError`
+  (the handler turns them into `kopf.TemporaryError`); a spec the operator cannot serve, or
+  one the API server rejects, becomes status Failed with the reason, and nothing is raised.
+- A child that is deleted, or whose applied fields are edited, is re-applied as soon as its
+  watch event arrives (counted in `kubeinfer_operator_drift_repairs`, and an event).
+- Status is recomputed (coalesced per model) on every change of the Deployment or a pod and
+  every `pod_probe_interval_s` while pods are not ready (their /ready tells load progress and
+  load errors); it is written with server-side apply only when it changed.
+- Only one apply per model runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from kubeinfer.operator.drift import first_difference
+from kubeinfer.operator.kube import KubeApi, RejectedError, TransientApiError
+from kubeinfer.operator.manifests import INSTANCE_LABEL, PORT, render
+from kubeinfer.operator.metrics import OperatorMetrics
+from kubeinfer.operator.readiness import ReadyReport, read_ready
+from kubeinfer.operator.settings import OperatorSettings
+from kubeinfer.operator.spec import InvalidSpecError, parse_spec
+from kubeinfer.operator.status import compute_status, is_same_status, pod_view
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, model name)
+CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
+STATUS_DEBOUNCE_S = 0.2
+PROBE_CONCURRENCY = 32
+COMPONENT = "kubeinfer-operator"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _key(obj: Mapping[str, Any]) -> Key:
+    meta = obj["metadata"]
+    return meta["namespace"], meta["name"]
+
+
+@dataclass
+class ModelState:
+    """What the operator knows of one model beyond its object."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failure: str | None = None
+    observed_generation: int = 0
+    has_applied: bool = False
+    repair_task: asyncio.Task[None] | None = None
+    status_task: asyncio.Task[None] | None = None
+
+
+class Reconciler:
+    def __init__(self, api: KubeApi, settings: OperatorSettings, metrics: OperatorMetrics) -> None:
+        self.api = api
+        self.settings = settings
+        self.metrics = metrics
+        self.models: dict[Key, dict[str, Any]] = {}
+        self.children: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, ns, name)
+        self.pods: dict[Key, dict[str, dict[str, Any]]] = {}  # model -> pod name -> pod
+        self.reports: dict[Key, ReadyReport] = {}  # (ns, pod name) -> last /ready
+        self.states: dict[Key, ModelState] = {}
+        self._http: httpx.AsyncClient | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def state(self, key: Key) -> ModelState:
+        return self.states.setdefault(key, ModelState())
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=PROBE_CONCURRENCY))
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="kubeinfer-pod-probes")
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        for st in self.states.values():
+            for task in (st.repair_task, st.status_task):
+                if task is not None:
+                    task.cancel()
+        if self._http is not None:
+            await self._http.aclose()
+        await self.api.close()
+
+    # --- what the watches show ----------------------------------------------------------------
+
+    def observe_model(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        key = _key(body)
+        if event_type == "DELETED":
+            self.models.pop(key, None)
+            st = self.states.pop(key, None)
+            if st is not None:
+                for task in (st.repair_task, st.status_task):
+                    if task is not None:
+                        task.cancel()
+        else:
+            self.models[key] = dict(body)
+        self.metrics.models.set(len(self.models))
+
+    def observe_child(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        kind, (ns, name) = body["kind"], _key(body)
+        if event_type == "DELETED":
+            self.children.pop((kind, ns, name), None)
+        else:
+            self.children[(kind, ns, name)] = dict(body)
+        model = self.models.get((ns, name))
+        if model is None or not self._is_owned(body, model):
+            return
+        st = self.state((ns, name))
+        if kind == "Deployment":
+            self.request_status((ns, name))
+        if not st.has_applied or st.failure:
+            return  # the create/resume handler has not applied yet, or cannot
+        if event_type == "DELETED":
+            self._schedule_repair((ns, name), f"{kind} {name} was deleted")
+            return
+        wanted = {m["kind"]: m for m in self._render_quietly(model)}
+        if kind not in wanted:
+            self._schedule_repair((ns, name), f"{kind} {name} is no longer wanted")
+        elif (where := first_difference(wanted[kind], body)) is not None:
+            self._schedule_repair((ns, name), f"{kind} {name} differs at {where}")
+        elif kind == "Deployment" and self._replicas_differ(model, body):
+            self._schedule_repair((ns, name), f"Deployment {name} has other replicas")
+
+    def observe_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        ns, pod_name = _key(body)
+        instance = (body["metadata"].get("labels") or {}).get(INSTANCE_LABEL)
+        if not instance:
+            return
+        pods = self.pods.setdefault((ns, instance), {})
+        if event_type == "DELETED":
+            pods.pop(pod_name, None)
+            self.reports.pop((ns, pod_name), None)
+        else:
+            pods[pod_name] = dict(body)
+        self.request_status((ns, instance))
+
+    @staticmethod
+    def _is_owned(child: Mapping[str, Any], model: Mapping[str, Any]) -> bool:
+        uid = model["metadata"].get("uid")
+        return any(r.get("uid") == uid for r in child["metadata"].get("ownerReferences") or [])
+
+    def _render_quietly(self, model: Mapping[str, Any]) -> list[dict[str, Any]]:
+        try:
+            return render(model, self.settings)
+        except InvalidSpecError:
+            return []
+
+    @staticmethod
+    def _replicas_differ(model: Mapping[str, Any], deployment: Mapping[str, Any]) -> bool:
+        spec = model.get("spec") or {}
+        if not (spec.get("autoscaling") or {}).get("enabled"):
+            return False  # the applied object carries replicas: first_difference saw it
+        return (deployment.get("spec") or {}).get("replicas") != spec.get("replicas", 1)
+
+    # --- writes -------------------------------------------------------------------------------
+
+    async def apply(self, model: Mapping[str, Any], *, reason: str = "") -> None:
+        """Render and apply every child of `model`; see the module docstring."""
+        key = _key(model)
+        self.models.setdefault(key, dict(model))
+        st = self.state(key)
+        async with st.lock:
+            model = self.models.get(key, model)  # the freshest copy the watch has
+            started = time.monotonic()
+            try:
+                changed = await self._apply_children(model)
+            except (InvalidSpecError, RejectedError) as exc:
+                self._fail(model, st, str(exc))
+                return
+            except TransientApiError:
+                self.metrics.errors.labels("transient").inc()
+                self.metrics.reconciles.labels("retry").inc()
+                raise
+            finally:
+                self.metrics.duration.observe(time.monotonic() - started)
+            st.failure, st.has_applied = None, True
+            st.observed_generation = int(model["metadata"].get("generation") or 0)
+            self.metrics.reconciles.labels("applied").inc()
+        if changed:
+            what = ", ".join(changed)
+            if reason:
+                for kind in changed:
+                    self.metrics.drift_repairs.labels(kind.split(" ")[0]).inc()
+                logger.info("%s/%s: repaired (%s): %s", *key, reason, what)
+                self.event(model, "Normal", "DriftRepaired", f"{reason}; re-applied {what}")
+            else:
+                self.event(model, "Normal", "Applied", f"applied {what}")
+        self.request_status(key, delay=0)
+
+    async def _apply_children(self, model: Mapping[str, Any]) -> list[str]:
+        """Apply what render() asks for; return the children that changed ("Kind name")."""
+        manifests = render(model, self.settings)
+        spec = parse_spec(model.get("spec") or {})
+        ns, name = _key(model)
+        changed = []
+        for manifest in manifests:
+            ckey = (manifest["kind"], ns, name)
+            before = (self.children.get(ckey) or {}).get("metadata", {}).get("resourceVersion")
+            result = await self.api.apply(manifest)
+            self.children[ckey] = result
+            if result["metadata"].get("resourceVersion") != before:
+                changed.append(f"{manifest['kind']} {name}")
+        deployment = self.children[("Deployment", ns, name)]
+        if spec.autoscaling.enabled and deployment["spec"].get("replicas") != spec.replicas:
+            await self.api.scale_deployment(ns, name, spec.replicas)
+            changed.append(f"Deployment {name} replicas={spec.replicas}")
+        rendered_kinds = {m["kind"] for m in manifests}
+        for kind in CHILD_KINDS:
+            if kind not in rendered_kinds and (kind, ns, name) in self.children:
+                if await self.api.delete(kind, ns, name):
+                    changed.append(f"{kind} {name} (deleted)")
+                self.children.pop((kind, ns, name), None)
+        return changed
+
+    def _fail(self, model: Mapping[str, Any], st: ModelState, message: str) -> None:
+        is_new = st.failure != message
+        st.failure, st.has_applied = message, True
+        st.observed_generation = int(model["metadata"].get("generation") or 0)
+        self.metrics.errors.labels("invalid_spec").inc()
+        self.metrics.reconciles.labels("failed").inc()
+        if is_new:
+            logger.warning("%s/%s: cannot serve: %s", *_key(model), message)
+            self.event(model, "Warning", "InvalidSpec", message)
+        self.request_status(_key(model), delay=0)
+
+    def event(self, model: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
+        """Post a Kubernetes event about `model` in the background (a failure is only logged)."""
+
+        async def post() -> None:
+            try:
+                await self.api.create_event(dict(model), event_type, reason, message, COMPONENT)
+            except Exception as exc:  # noqa: BLE001 - an event is best effort
+                logger.warning("event %s for %s/%s not posted: %s", reason, *_key(model), exc)
+
+        task = asyncio.create_task(post())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _schedule_repair(self, key: Key, reason: str) -> None:
+        st = self.state(key)
+        if st.repair_task is not None and not st.repair_task.done():
+            return
+        st.repair_task = asyncio.create_task(self._repair(key, reason))
+
+    async def _repair(self, key: Key, reason: str) -> None:
+        delay = 1.0
+        while (model := self.models.get(key)) is not None:
+            try:
+                await self.apply(model, reason=reason)
+                return
+            except TransientApiError as exc:
+                logger.warning("%s/%s: repair failed, retrying in %.0fs: %s", *key, delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    # --- status -------------------------------------------------------------------------------
+
+    def request_status(self, key: Key, delay: float = STATUS_DEBOUNCE_S) -> None:
+        """Recompute and write `key`'s status soon (requests within `delay` coalesce)."""
+        st = self.states.get(key)
+        if st is None or (st.status_task is not None and not st.status_task.done()):
+            return
+        st.status_task = asyncio.create_task(self._status_soon(key, delay))
+
+    async def _status_soon(self, key: Key, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            await self.write_status(key)
+        except TransientApiError as exc:
+            logger.warning("%s/%s: status write failed (next change retries): %s", *key, exc)
+
+    def compute(self, key: Key) -> dict[str, Any] | None:
+        model, st = self.models.get(key), self.states.get(key)
+        if model is None or st is None or not st.has_applied:
+            return None
+        ns, _ = key
+        pods = [
+            pod_view(p, self.reports.get((ns, name)))
+            for name, p in sorted(self.pods.get(key, {}).items())
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+        status = compute_status(
+            model,
+            self.children.get(("Deployment", *key)),
+            pods,
+            failure=st.failure,
+            observed_generation=st.observed_generation,
+            now=_now(),
+        )
+        if ((model.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+            del status["desiredReplicas"]  # the autoscaler's field while it runs
+        return status
+
+    async def write_status(self, key: Key) -> None:
+        status = self.compute(key)
+        model = self.models.get(key)
+        if status is None or model is None:
+            return
+        current = model.get("status") or {}
+        if is_same_status(current, status):
+            return
+        result = await self.api.apply_model_status(*key, status)
+        self.metrics.status_writes.inc()
+        if key in self.models:
+            self.models[key] = result
+        if current.get("phase") != status["phase"]:
+            kind = "Warning" if status["phase"] in ("Failed", "Degraded") else "Normal"
+            self.event(model, kind, status["phase"], status["conditions"][0]["message"])
+
+    # --- the runtime's /ready of pods that are not ready --------------------------------------
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.pod_probe_interval_s)
+            try:
+                await self.probe_pods()
+            except Exception:  # noqa: BLE001 - the loop must survive one bad round
+                logger.exception("pod probe round failed")
+
+    async def probe_pods(self) -> None:
+        """Read /ready of every running, not-ready runtime pod; refresh statuses that moved."""
+        assert self._http is not None, "start() first"
+        targets: list[tuple[Key, str, str]] = []
+        for key, pods in self.pods.items():
+            for name, pod in pods.items():
+                view = pod_view(pod, None)
+                ip = (pod.get("status") or {}).get("podIP")
+                if view.is_ready or not view.is_running or not ip:
+                    self.reports.pop((key[0], name), None)
+                elif not pod["metadata"].get("deletionTimestamp"):
+                    targets.append((key, name, ip))
+        sem = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+        async def one(key: Key, name: str, ip: str) -> None:
+            async with sem:
+                assert self._http is not None
+                report = await read_ready(self._http, ip, PORT, self.settings.pod_probe_timeout_s)
+            if self.reports.get((key[0], name)) != report:
+                self.reports[(key[0], name)] = report
+                self.request_status(key)
+
+        await asyncio.gather(*(one(*t) for t in targets))

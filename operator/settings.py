@@ -1,0 +1,61 @@
+"""OperatorSettings: every setting of `kubeinfer operator run`, from `KUBEINFER_OPERATOR_*` env.
+
+One field per setting; the env var is the field name upper-cased with the prefix
+(`KUBEINFER_OPERATOR_RUNTIME_IMAGE`), so a Helm value maps onto each one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kubeinfer import __version__
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KUBEINFER_OPERATOR_", extra="forbid")
+
+    runtime_image: str = Field(f"kubeinfer/runtime:{__version__}", min_length=1)
+    """Image of the runtime containers when an InferenceModel leaves spec.runtime.image empty."""
+    downloader_image: str = Field("python:3.12-slim", min_length=1)
+    """Image of the init container that downloads hf:// models (needs pip and network)."""
+    namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Namespaces to watch (comma-separated in env); empty: the whole cluster."""
+    peering: bool = False
+    """Coordinate with other operator replicas through kopf peering (needs kopf's peering
+    CRDs); off: this operator runs standalone."""
+    peering_name: str = "kubeinfer"
+    """The KopfPeering (or ClusterKopfPeering) object the replicas share."""
+    priority: int = 0
+    """Peering priority: the highest running replica is the active one."""
+    liveness_host: str = "0.0.0.0"
+    liveness_port: int = Field(8080, ge=0, le=65535)
+    """kopf's liveness endpoint, http://HOST:PORT/healthz; port 0 turns it off."""
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = Field(9090, ge=0, le=65535)
+    """The operator's own Prometheus /metrics; port 0 turns it off."""
+    pod_probe_interval_s: float = Field(5.0, gt=0)
+    """How often the runtime's /ready of pods that are not ready is read (load progress and
+    load errors reach the status from there)."""
+    pod_probe_timeout_s: float = Field(2.0, gt=0)
+    startup_budget_s: int = Field(1800, ge=60)
+    """How long a runtime container may take to start serving /health (weights can take
+    minutes); the startup probe's periodSeconds x failureThreshold."""
+    termination_grace_s: int = Field(60, ge=1)
+    """Pods' terminationGracePeriodSeconds: the runtime drains in-flight requests on SIGTERM."""
+    shm_size: str = "2Gi"
+    """Size limit of the /dev/shm emptyDir (medium Memory) of the runtime containers."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("namespaces", mode="before")
+    @classmethod
+    def _split_namespaces(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [ns.strip() for ns in value.split(",") if ns.strip()]
+        return value
+
+    @property
+    def is_clusterwide(self) -> bool:
+        return not self.namespaces

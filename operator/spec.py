@@ -1,0 +1,148 @@
+"""The InferenceModel spec as typed values: parsed from the object the API server stores.
+
+The CRD (`crds/inferencemodels.kubeinfer.dev.yaml`) is the authority on what is valid; the
+models here carry the same defaults so that objects from an older CRD, or written by hand in
+tests, parse the same way (a test checks that both agree). `parse_spec` raises
+`InvalidSpecError` for what the operator cannot serve even when the API server accepted it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kubeinfer.operator.autoscale_types import MetricName
+
+
+class InvalidSpecError(ValueError):
+    """An InferenceModel the operator cannot turn into pods; the message names the field."""
+
+
+class _Spec(BaseModel):
+    # Fields the CRD does not know are pruned by the API server; here they are ignored too.
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+class ModelRef(_Spec):
+    uri: str
+    served_name: str | None = Field(None, alias="servedName")
+
+
+class EnvVar(_Spec):
+    name: str
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, alias="valueFrom")
+
+    def to_api(self) -> dict[str, Any]:
+        if self.value_from is not None:
+            return {"name": self.name, "valueFrom": self.value_from}
+        return {"name": self.name, "value": self.value or ""}
+
+
+class RuntimeSpec(_Spec):
+    image: str = ""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: int = Field(4096, alias="maxModelLen", ge=16)
+    max_num_seqs: int = Field(256, alias="maxNumSeqs", ge=1)
+    max_num_batched_tokens: int = Field(8192, alias="maxNumBatchedTokens", ge=16)
+    kv_cache_memory_fraction: float = Field(0.9, alias="kvCacheMemoryFraction", gt=0, le=1)
+    enable_prefix_caching: bool = Field(True, alias="enablePrefixCaching")
+    extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class ResourcesSpec(_Spec):
+    gpus: int = Field(1, ge=0)
+    gpu_resource_name: str = Field("nvidia.com/gpu", alias="gpuResourceName")
+    cpu: str | int = "4"
+    memory: str | int = "32Gi"
+
+
+class SchedulingSpec(_Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    priority_class_name: str = Field("", alias="priorityClassName")
+    runtime_class_name: str = Field("", alias="runtimeClassName")
+
+
+class AutoscalingSpec(_Spec):
+    enabled: bool = False
+    min_replicas: int = Field(1, alias="minReplicas", ge=0)
+    max_replicas: int = Field(4, alias="maxReplicas", ge=1)
+    metric: MetricName = "generationTokensPerSecond"
+    target_per_replica: float = Field(1000.0, alias="targetPerReplica", gt=0)
+    stable_window_seconds: int = Field(60, alias="stableWindowSeconds", ge=1)
+    panic_window_seconds: int = Field(6, alias="panicWindowSeconds", ge=1)
+    scale_down_delay_seconds: int = Field(300, alias="scaleDownDelaySeconds", ge=0)
+    scrape_interval_seconds: int = Field(5, alias="scrapeIntervalSeconds", ge=1)
+
+
+class SecretKeyRef(_Spec):
+    name: str = ""
+    key: str = ""
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.name and self.key)
+
+
+class InferenceModelSpec(_Spec):
+    model: ModelRef
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    replicas: int = Field(1, ge=0)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSource:
+    """Where the weights come from, parsed from spec.model.uri."""
+
+    scheme: Literal["pvc", "hostpath", "hf"]
+    claim: str = ""  # pvc: the PersistentVolumeClaim
+    path: str = ""  # pvc: the folder inside the claim ("" is its root); hostpath: absolute path
+    repo: str = ""  # hf: ORG/NAME
+    revision: str = ""  # hf: a branch, tag or commit ("" is the default branch)
+
+
+_PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)(?P<path>(/[^/]+)*)/?$")
+_HOSTPATH = re.compile(r"^hostpath://(?P<path>/[^/].*)$")
+_HF = re.compile(
+    r"^hf://(?P<repo>[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*)(@(?P<rev>[-\w./]+))?$"
+)
+
+
+def parse_model_uri(uri: str) -> ModelSource:
+    """spec.model.uri -> ModelSource; InvalidSpecError names what is wrong."""
+    if "/../" in uri or uri.endswith("/.."):
+        raise InvalidSpecError(f"spec.model.uri {uri!r} must not contain '..' segments")
+    if match := _PVC.match(uri):
+        return ModelSource("pvc", claim=match["claim"], path=match["path"].strip("/"))
+    if match := _HOSTPATH.match(uri):
+        return ModelSource("hostpath", path=match["path"].rstrip("/") or "/")
+    if match := _HF.match(uri):
+        return ModelSource("hf", repo=match["repo"], revision=match["rev"] or "")
+    raise InvalidSpecError(
+        f"spec.model.uri {uri!r} is not pvc://CLAIM[/PATH], hostpath:///abs/path or hf://ORG/NAME"
+    )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
+    """The typed spec; InvalidSpecError (naming the field) when it does not parse."""
+    try:
+        parsed = InferenceModelSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidSpecError(f"spec.{where}: {first['msg']}") from exc
+    parse_model_uri(parsed.model.uri)
+    if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
+        raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
+    return parsed
