@@ -86,7 +86,7 @@ def pod_view(pod: Mapping[str, Any], report: ReadyReport | None) -> PodView:
                 problem = f"pod {name}: {cond.get('reason')}: {cond.get('message') or ''}"
     return PodView(
         name=name,
-        is_running=bool(state.get("running")),
+        is_running=state.get("running") is not None,
         is_ready=bool(runtime.get("ready")),
         restart_count=int(runtime.get("restartCount") or 0),
         problem=problem.strip(),
