@@ -110,5 +110,13 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     async def pod_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
         _reconciler(memo).observe_pod(type, _plain(body))
 
-    kopf.daemon(*model, when=autoscaling_enabled, registry=registry)(autoscale_daemon)
+    # On deletion (or autoscaling turned off) the daemon gets 1 s to leave by itself, then is
+    # cancelled: without this kopf only looks again after a minute, holding the finalizer.
+    kopf.daemon(
+        *model,
+        when=autoscaling_enabled,
+        cancellation_backoff=1.0,
+        cancellation_timeout=5.0,
+        registry=registry,
+    )(autoscale_daemon)
     return registry

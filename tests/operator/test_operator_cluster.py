@@ -338,3 +338,42 @@ def test_deleting_the_model_collects_its_children(cluster: Cluster) -> None:
         timeout_s=60,
         what="the children to be garbage-collected",
     )
+
+
+def test_autoscaling_model_gets_the_daemon_and_replicas_through_scale(cluster: Cluster) -> None:
+    """With autoscaling on the applied Deployment carries no replicas; the operator sets them
+    through the scale subresource under its own manager, and the autoscaler's daemon writes
+    its conditions beside the operator's (each under its own field manager)."""
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceModel",
+        "metadata": {"name": "scaled"},
+        "spec": {
+            "model": {"uri": "pvc://weights"},
+            "replicas": 0,
+            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2},
+        },
+    }
+    cluster.custom.create_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, body)
+
+    def both_wrote() -> dict[str, Any] | None:
+        status = cluster.model("scaled").get("status") or {}
+        types = {c["type"] for c in status.get("conditions") or []}
+        return status if {"Ready", "ScalingActive"} <= types else None
+
+    wait_for(both_wrote, timeout_s=30, what="operator and autoscaler conditions")
+    dep = cluster.get("Deployment", "scaled")
+    assert dep is not None and dep["spec"]["replicas"] == 0
+    owners = {f["manager"]: f for f in dep["metadata"]["managedFields"]}
+    assert "f:replicas" not in json.dumps(owners["kubeinfer"]["fieldsV1"]["f:spec"])
+    assert "kubeinfer.dev/operator" in cluster.model("scaled")["metadata"]["finalizers"]
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, cluster.ns, PLURAL, "scaled")
+    wait_for(lambda: _is_gone(cluster, "scaled"), timeout_s=30, what="the finalizer released")
+
+
+def _is_gone(cluster: Cluster, name: str) -> bool:
+    try:
+        cluster.model(name)
+    except ApiException as exc:
+        return exc.status == 404
+    return False
