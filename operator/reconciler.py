@@ -216,12 +216,17 @@ class Reconciler:
         manifests = render(model, self.settings)
         spec = parse_spec(model.get("spec") or {})
         ns, name = _key(model)
+        befores = [
+            (self.children.get((m["kind"], ns, name)) or {})
+            .get("metadata", {})
+            .get("resourceVersion")
+            for m in manifests
+        ]
+        # The children are independent objects: apply them together.
+        results = await asyncio.gather(*(self.api.apply(m) for m in manifests))
         changed = []
-        for manifest in manifests:
-            ckey = (manifest["kind"], ns, name)
-            before = (self.children.get(ckey) or {}).get("metadata", {}).get("resourceVersion")
-            result = await self.api.apply(manifest)
-            self.children[ckey] = result
+        for manifest, before, result in zip(manifests, befores, results, strict=True):
+            self.children[(manifest["kind"], ns, name)] = result
             if result["metadata"].get("resourceVersion") != before:
                 changed.append(f"{manifest['kind']} {name}")
         deployment = self.children[("Deployment", ns, name)]
