@@ -15,7 +15,7 @@ from typing import Any
 import kopf
 
 from kubeinfer.operator.handlers import build_registry
-from kubeinfer.operator.kube import KubeApi
+from kubeinfer.operator.kube import ApiError, KubeApi
 from kubeinfer.operator.metrics import OperatorMetrics
 from kubeinfer.operator.reconciler import Reconciler
 from kubeinfer.operator.settings import OperatorSettings
@@ -43,6 +43,8 @@ async def run_operator(
     metrics = OperatorMetrics()
     metrics.serve(settings.metrics_host, settings.metrics_port)
     api = await KubeApi.connect()
+    if settings.peering:
+        await ensure_peering(api, settings)
     reconciler = Reconciler(api, settings, metrics)
     memo = kopf.Memo(reconciler=reconciler, api_client=_sync_api_client())
     liveness = (
@@ -69,6 +71,29 @@ async def run_operator(
         stop_flag=stop_flag,
         ready_flag=ready_flag,
     )
+
+
+async def ensure_peering(api: KubeApi, settings: OperatorSettings) -> None:
+    """Create the (Cluster)KopfPeering object the replicas share when it is missing: kopf
+    waits for it, paused, otherwise. Needs crds/kopf-peering.yaml installed."""
+    body: dict[str, Any] = {
+        "apiVersion": "kopf.dev/v1",
+        "metadata": {"name": settings.peering_name},
+    }
+    if settings.is_clusterwide:
+        targets = [("/apis/kopf.dev/v1/clusterkopfpeerings", "ClusterKopfPeering")]
+    else:
+        targets = [
+            (f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings", "KopfPeering")
+            for ns in settings.namespaces
+        ]
+    for path, kind in targets:
+        try:
+            await api.request("POST", path, body={**body, "kind": kind})
+            logger.info("created %s %s", kind, settings.peering_name)
+        except ApiError as exc:
+            if exc.status != 409:  # 409: it exists already
+                logger.warning("cannot create %s %s: %s", kind, settings.peering_name, exc)
 
 
 def configure_logging(level: str) -> None:
