@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from kubeinfer.operator.drift import first_difference
-from kubeinfer.operator.kube import KubeApi, RejectedError, TransientApiError
+from kubeinfer.operator.kube import ApiError, KubeApi, RejectedError, TransientApiError
 from kubeinfer.operator.manifests import INSTANCE_LABEL, PORT, render
 from kubeinfer.operator.metrics import OperatorMetrics
 from kubeinfer.operator.readiness import ReadyReport, read_ready
@@ -281,6 +281,9 @@ class Reconciler:
                 logger.warning("%s/%s: repair failed, retrying in %.0fs: %s", *key, delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+            except ApiError as exc:  # e.g. 404: the namespace or the model is going away
+                logger.warning("%s/%s: repair given up: %s", *key, exc)
+                return
 
     # --- status -------------------------------------------------------------------------------
 
@@ -295,7 +298,7 @@ class Reconciler:
         await asyncio.sleep(delay)
         try:
             await self.write_status(key)
-        except TransientApiError as exc:
+        except ApiError as exc:  # a 404 too: the model went while the write was on its way
             logger.warning("%s/%s: status write failed (next change retries): %s", *key, exc)
 
     def compute(self, key: Key) -> dict[str, Any] | None:

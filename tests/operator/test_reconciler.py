@@ -1,0 +1,168 @@
+"""Reconciler against a fake API: apply, drift repair, stale PDB removal, Failed on a rejected
+spec, replicas through the scale subresource. No cluster, no kopf."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from typing import Any
+
+from kubeinfer.operator.kube import RejectedError
+from kubeinfer.operator.metrics import OperatorMetrics
+from kubeinfer.operator.reconciler import Reconciler
+from kubeinfer.operator.settings import OperatorSettings
+from tests.operator.conftest import make_model
+
+
+class FakeApi:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.num_applies = 0
+        self.deleted: list[tuple[str, str, str]] = []
+        self.scaled: list[int] = []
+        self.statuses: list[dict[str, Any]] = []
+        self.reject: str | None = None
+        self._rv = 0
+
+    async def apply(self, manifest: dict[str, Any], **_: Any) -> dict[str, Any]:
+        if self.reject:
+            raise RejectedError(422, self.reject)
+        self.num_applies += 1
+        meta = manifest["metadata"]
+        key = (manifest["kind"], meta["namespace"], meta["name"])
+        old = self.objects.get(key)
+        body = copy.deepcopy(manifest)
+        same = old is not None and json.dumps(
+            {k: v for k, v in old.items() if k != "metadata"}, sort_keys=True
+        ) == json.dumps({k: v for k, v in body.items() if k != "metadata"}, sort_keys=True)
+        if same:
+            return old  # type: ignore[return-value]
+        self._rv += 1
+        body["metadata"]["resourceVersion"] = str(self._rv)
+        self.objects[key] = body
+        return body
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        self.deleted.append((kind, namespace, name))
+        return self.objects.pop((kind, namespace, name), None) is not None
+
+    async def scale_deployment(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        self.scaled.append(replicas)
+        self.objects[("Deployment", namespace, name)]["spec"]["replicas"] = replicas
+        return {}
+
+    async def apply_model_status(self, ns: str, name: str, status: dict[str, Any]) -> dict:
+        self.statuses.append(status)
+        return {**make_model(), "status": status}
+
+    async def create_event(self, *_: Any) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def reconciler() -> tuple[Reconciler, FakeApi]:
+    api = FakeApi()
+    return Reconciler(api, OperatorSettings(), OperatorMetrics()), api  # type: ignore[arg-type]
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.05)
+
+
+def test_apply_then_drift_repairs() -> None:
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        assert {k[0] for k in api.objects} == {"Deployment", "Service"}
+        applied = api.num_applies
+        await r.apply(model)  # nothing changed: applies, but no child changes
+        assert api.num_applies == applied + 2
+        dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
+        r.observe_child("MODIFIED", dep)  # the same as applied: no repair
+        await settle()
+        assert api.num_applies == applied + 2
+        dep["spec"]["template"]["spec"]["containers"][0]["args"][1] = "/elsewhere"
+        r.observe_child("MODIFIED", dep)
+        await settle()
+        assert api.num_applies == applied + 4
+        api.objects.pop(("Service", "models", "smollm2"))
+        r.observe_child("DELETED", dep | {"kind": "Service"})
+        await settle()
+        assert ("Service", "models", "smollm2") in api.objects
+        assert r.metrics.drift_repairs.labels("Service")._value.get() == 1  # noqa: SLF001
+        assert api.statuses and api.statuses[-1]["observedGeneration"] == 1
+        await r.close()
+
+    asyncio.run(run())
+
+
+def test_children_of_someone_else_are_left_alone() -> None:
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        before = api.num_applies
+        stranger = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
+        stranger["metadata"]["ownerReferences"][0]["uid"] = "another-model"
+        stranger["spec"]["replicas"] = 7
+        r.observe_child("MODIFIED", stranger)
+        await settle()
+        assert api.num_applies == before
+        await r.close()
+
+    asyncio.run(run())
+
+
+def test_pdb_goes_when_replicas_drop_to_one() -> None:
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model({"model": {"uri": "pvc://w"}, "replicas": 3})
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        assert ("PodDisruptionBudget", "models", "smollm2") in api.objects
+        model = make_model({"model": {"uri": "pvc://w"}, "replicas": 1}, generation=2)
+        r.observe_model("MODIFIED", model)
+        await r.apply(model)
+        assert api.deleted == [("PodDisruptionBudget", "models", "smollm2")]
+        await r.close()
+
+    asyncio.run(run())
+
+
+def test_rejected_spec_is_failed_not_raised() -> None:
+    async def run() -> None:
+        r, api = reconciler()
+        api.reject = "HTTP 422: spec.template.spec.tolerations[0].operator: Invalid value"
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)  # no exception: kopf must not retry forever
+        await settle()
+        status = api.statuses[-1]
+        assert status["phase"] == "Failed"
+        assert "tolerations" in status["conditions"][0]["message"]
+        await r.close()
+
+    asyncio.run(run())
+
+
+def test_autoscaled_replicas_go_through_scale() -> None:
+    async def run() -> None:
+        r, api = reconciler()
+        spec = {"model": {"uri": "pvc://w"}, "replicas": 2, "autoscaling": {"enabled": True}}
+        model = make_model(spec)
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        dep = api.objects[("Deployment", "models", "smollm2")]
+        assert api.scaled == [2] and dep["spec"]["replicas"] == 2
+        await settle()
+        assert "desiredReplicas" not in api.statuses[-1]  # the autoscaler's field
+        await r.close()
+
+    asyncio.run(run())
