@@ -10,6 +10,7 @@ operator cannot serve. Every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from kubeinfer.operator.testing import OperatorProcess
 from kubeinfer.runtime.testing import write_random_checkpoint
-from tests.operator.conftest import CRD_PATH, REPO, example_model
+from tests.operator.conftest import CRD_PATH, example_model
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -119,9 +120,11 @@ def cluster(
 
 @pytest.fixture(scope="module")
 def weights_dir() -> Iterator[Path]:
-    """Test checkpoints live under the checkout, not /tmp: the dev node agent rewrites every
-    mount path in the container's arguments, and the runtime pod mounts an emptyDir at /tmp."""
-    root = REPO / ".cache" / "operator-tests" / f"w{time.time_ns()}"
+    """Test checkpoints live in kubeinfer's cache, never under /tmp (nor a checkout there): the
+    dev node agent rewrites mount paths in a container's arguments one after the other, so with
+    the runtime pod's /tmp emptyDir a hostPath under /tmp is rewritten twice."""
+    cache = Path(os.environ.get("KUBEINFER_CACHE", Path.home() / ".cache" / "kubeinfer"))
+    root = cache / "operator-tests" / f"w{time.time_ns()}"
     root.mkdir(parents=True)
     yield root
     shutil.rmtree(root, ignore_errors=True)
