@@ -22,20 +22,26 @@ def test_no_server_errors(tiny_server: Server) -> None:
     counts: Counter[str] = Counter()
     failures: list[str] = []
     for result in schema.get_all_operations():
-        operation = result.ok()
-
-        @given(case=operation.as_strategy())
-        @settings(max_examples=100, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
-        def check(case: schemathesis.Case, label: str = operation.label) -> None:
-            counts[label] += 1
-            response = case.call(headers=tiny_server.headers, timeout=60)
-            if response.status_code >= 500:
-                failures.append(f"{case.method} {case.path} {case.body!r}: {response.text}")
-            elif response.status_code >= 400:
-                assert "error" in response.json(), response.text
-
-        check()
+        _property_test(result.ok(), tiny_server, counts, failures)()
     assert not failures, failures[:5]
     assert sum(counts.values()) >= 300, counts
     print(dict(counts))
+
+
+def _property_test(operation, server: Server, counts: Counter[str], failures: list[str]):
+    """One hypothesis test per operation; a factory, since @given refuses default arguments
+    (newer hypothesis releases), which is how a loop would otherwise bind the operation's label."""
+    label = operation.label
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=100, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    def check(case: schemathesis.Case) -> None:
+        counts[label] += 1
+        response = case.call(headers=server.headers, timeout=60)
+        if response.status_code >= 500:
+            failures.append(f"{case.method} {case.path} {case.body!r}: {response.text}")
+        elif response.status_code >= 400:
+            assert "error" in response.json(), response.text
+
+    return check
