@@ -12,7 +12,7 @@ MODEL_DIR := .cache/models/smollm2-135m
 # pip's own cache (~/.cache/pip) serves torch's several-GB wheels on a warm machine.
 VENV_STAMP := $(VENV)/.kubeinfer-installed
 
-.PHONY: help venv model demo test lint pytest bench clean controlplane
+.PHONY: help venv model demo test lint pytest bench clean controlplane e2e-kind
 
 help:
 	@echo "make demo    - set up and run the demo"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench   - run the benchmarks in bench/"
 	@echo "make lint    - ruff"
 	@echo "make controlplane - build etcd, kube-*, kubectl, helm once into $(CACHE)/bin/<k8s-version>/"
+	@echo "make e2e-kind - kind cluster, both images, helm install, examples/ (needs Docker and kind)"
 
 $(VENV_STAMP): pyproject.toml
 	@$(TIMED) venv bash -c '\
@@ -60,6 +61,11 @@ bench: venv model
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 	@$(TIMED) bench-serve $(PY) bench/serve.py
 	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py
+
+# Machines with Docker only: the script checks for docker, kind, kubectl and helm before
+# anything slow and says what is missing (it cannot run on the Docker-less dev machine).
+e2e-kind:
+	@$(TIMED) e2e-kind hack/e2e-kind.sh
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,35 @@
+# The kubeinfer operator (`kubeinfer operator run`). Build from the repository root:
+#
+#   docker build -f docker/operator.Dockerfile -t kubeinfer/operator:0.1.0 .
+#
+# The chart (helm/kubeinfer) runs it as user 1000 with a read-only root filesystem, HOME in a
+# /tmp emptyDir and settings as KUBEINFER_OPERATOR_* env. The `helm test` pod uses this image
+# too (python + the kubernetes client).
+FROM python:3.12-slim
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kubeinfer/ kubeinfer/
+COPY runtime/ runtime/
+COPY kernels/ kernels/
+COPY operator/ operator/
+COPY devcluster/ devcluster/
+# The operator never imports torch, but the distribution depends on it: the CPU wheel from
+# PyTorch's index meets the pin at a fraction of the CUDA wheel's size.
+RUN TORCH=$(python -c "import re,tomllib; d=tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']; print(next(x for x in d if re.match(r'torch\b', x)))") \
+    && pip install "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
+    && pip install . \
+    && rm -rf /src
+
+RUN groupadd --gid 1000 kubeinfer && useradd --uid 1000 --gid 1000 --no-create-home \
+    --shell /usr/sbin/nologin kubeinfer
+USER 1000:1000
+WORKDIR /tmp
+EXPOSE 8080 9090
+ENTRYPOINT ["kubeinfer", "operator", "run"]
