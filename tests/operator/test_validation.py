@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
-from tests.operator.conftest import CRD_PATH
+from tests.operator.conftest import CRD_PATH, REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 VALID: dict[str, Any] = {
     "apiVersion": "kubeinfer.dev/v1alpha1",
@@ -164,3 +168,9 @@ def test_invalid_model_is_rejected(
         _create(dev_cluster, crd_ns, body)
     assert info.value.status in (400, 422), info.value.body
     assert field in str(info.value.body), f"{case}: {info.value.body}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_is_accepted(dev_cluster: DevClusterHandle, crd_ns: str, path: Path) -> None:
+    body = yaml.safe_load(path.read_text().replace("MODEL_DIR", "/models/smollm2-135m"))
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what=path.name)

@@ -1,0 +1,49 @@
+"""Docs that are generated must be current: the README's InferenceModel reference."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _generator():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("crd_reference", REPO / "hack/crd_reference.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_readme_reference_is_current() -> None:
+    assert _generator().main(["--check"]) == 0, "run `python hack/crd_reference.py`"
+
+
+def test_reference_lists_every_spec_field_with_default() -> None:
+    gen = _generator()
+    block = gen.render()
+    for field in ("spec.model.uri", "spec.autoscaling.targetPerReplica",
+                  "spec.scheduling.tolerations[].effect", "spec.apiKeySecretRef.key"):
+        assert f"| {field} |" in block
+    assert '| spec.runtime.maxNumSeqs | integer | `256` | >= 1, <= 4096 |' in block
+    assert "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" in block
+
+
+def test_undocumented_spec_field_is_an_error(tmp_path: Path) -> None:
+    gen = _generator()
+    crd = yaml.safe_load(gen.CRD.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec["properties"]["newField"] = {"type": "integer"}
+    path = tmp_path / "crd.yaml"
+    path.write_text(yaml.safe_dump(crd))
+    with pytest.raises(gen.ReferenceError, match="spec.newField has no description"):
+        gen.render(path)
+
+
+def test_missing_markers_are_named() -> None:
+    gen = _generator()
+    with pytest.raises(gen.ReferenceError, match="markers"):
+        gen.rewrite("# no markers here\n", "x")
