@@ -30,10 +30,15 @@ def make_model(spec: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any
     }
 
 
-def example_model(model_dir: Path | str, namespace: str = "default") -> dict[str, Any]:
-    """examples/smollm2.yaml with its MODEL_DIR placeholder filled in."""
+def example_model(
+    model_dir: Path | str, namespace: str = "default", *, autoscaling: bool = False
+) -> dict[str, Any]:
+    """examples/smollm2.yaml with its MODEL_DIR placeholder filled in; without its autoscaling
+    block unless asked for (tests that scale by hand need replicas to be theirs)."""
     text = EXAMPLE_PATH.read_text().replace("MODEL_DIR", str(model_dir))
     model = yaml.safe_load(text)
+    if not autoscaling:
+        model["spec"].pop("autoscaling", None)
     model["metadata"]["namespace"] = namespace
     return model
 
