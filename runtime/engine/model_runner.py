@@ -20,6 +20,7 @@ from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
 from kubeinfer.runtime.engine.sched_output import SchedulerOutput
+from kubeinfer.runtime.engine.staging import HostStaging
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
 from kubeinfer.runtime.models.ops import select_kernels
@@ -73,6 +74,7 @@ class ModelRunner:
             config.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.staging = HostStaging(self.device)  # pinned step metadata on CUDA
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB)",
@@ -118,18 +120,16 @@ class ModelRunner:
         for request_id in out.preempted_ids:  # their blocks are gone; rows are re-made later
             self.block_tables.release(request_id)
         batch = build_step_batch(out, block_ids, self.block_size, self.block_tables)
-        dev = self.device
-
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
-
+        self.staging.begin_step()
+        put = self.staging.put
         attn = PagedAttention(
             self.kv_caches,
             batch,
-            dev,
+            self.device,
             self.model.attention_scale,
             self.model.config.sliding_window,
             self.ops,
+            put=put,
         )
         hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
         results: list[int | None] = [None] * len(out.scheduled)
