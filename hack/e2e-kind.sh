@@ -81,7 +81,7 @@ done
 step "helm install kubeinfer into $namespace"
 helm upgrade --install kubeinfer helm/kubeinfer --namespace "$namespace" --create-namespace \
   --wait --timeout 5m
-helm test kubeinfer --namespace "$namespace" --logs --timeout 5m
+helm test kubeinfer --namespace "$namespace" --timeout 5m
 
 # --- a model ----------------------------------------------------------------------------------
 step "apply examples/smollm2.yaml and wait for Ready (up to $ready_timeout)"
