@@ -269,8 +269,8 @@ def test_helm_test_pod(helm: Helm) -> None:
         assert "hook-succeeded" in o["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
     (pod,) = [o for o in hooks if o["kind"] == "Pod"]
     (cm,) = [o for o in hooks if o["kind"] == "ConfigMap"]
-    script = (CHART / "files" / "test_operator.py").read_text()
-    assert cm["data"]["test_operator.py"] == script.rstrip("\n")
+    script = (CHART / "files" / "check_operator.py").read_text()
+    assert cm["data"]["check_operator.py"] == script.rstrip("\n")
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
     assert "app.kubernetes.io/component=operator" in env["OPERATOR_SELECTOR"]
     (role,) = [o for o in hooks if o["kind"] == "Role"]
