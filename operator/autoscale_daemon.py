@@ -211,10 +211,13 @@ async def _write_status(
     limited = _condition(memory, "ScalingLimited", decision.is_limited, reason, message, stamp)
     status: dict[str, Any] = {
         "desiredReplicas": decision.replicas,
-        "metrics": {k: round(v, 3) for k, v in snapshot.items()},
         "scalingHistory": memory.history,
         "conditions": [active, limited],
     }
+    if snapshot:
+        status["metrics"] = {k: round(v, 3) for k, v in snapshot.items()}
+    # else left out: apply then drops the stale values, whereas an applied `metrics: {}` that
+    # empties what this manager owned becomes null, which the schema refuses (422)
     if memory.last_scale_time:
         status["lastScaleTime"] = memory.last_scale_time
     if status != memory.last_status:

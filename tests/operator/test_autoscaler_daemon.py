@@ -129,6 +129,23 @@ def test_failed_scrapes_under_load_never_scale_down() -> None:
     assert active["status"] == "False" and active["reason"] == "FailedGetMetrics"
 
 
+def test_status_without_any_readable_metric_leaves_metrics_out() -> None:
+    """Server-side apply turns an applied `metrics: {}` into null, which the CRD refuses (422):
+    the whole status write failed, so ScalingActive never turned False on the dev cluster.
+    With nothing read, `metrics` is left out (apply then removes the stale values)."""
+    spec = model_spec(replicas=2)
+    cluster = FakeCluster(spec, num_ready=2, rate=1000)
+    memory = new_memory(settings_from_spec(spec))
+    run_ticks(cluster, memory, until=6)
+    assert cluster.statuses[-1]["metrics"]["generationTokensPerSecond"] == 2000
+    cluster.failing = {"p0", "p1"}
+    run_ticks(cluster, memory, until=12)
+    status = cluster.statuses[-1]
+    assert "metrics" not in status
+    active = {c["type"]: c for c in status["conditions"]}["ScalingActive"]
+    assert active["status"] == "False" and active["reason"] == "FailedGetMetrics"
+
+
 def test_idle_scales_down_after_the_delay_and_history_keeps_five() -> None:
     spec = model_spec(replicas=4)
     cluster = FakeCluster(spec, num_ready=4, rate=0)
