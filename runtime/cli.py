@@ -97,6 +97,9 @@ def serve(
     max_request_bytes: int | None = typer.Option(None, help="Largest request body."),
     drain_timeout: float | None = typer.Option(None, help="SIGTERM drain timeout, seconds."),
     log_level: str | None = typer.Option(None, help="debug | info | warning | error"),
+    metrics_fault_file: Path | None = typer.Option(
+        None, help="Test hook: /metrics answers 503 while this file exists."
+    ),
 ) -> None:
     """Serve the OpenAI API for one model. Every option also reads KUBEINFER_<OPTION>."""
     given = {k: v for k, v in locals().items() if v is not None}  # unset: env or default

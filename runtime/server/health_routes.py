@@ -43,6 +43,9 @@ async def ready(state: ServerState = Depends(get_state)) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(state: ServerState = Depends(get_state)) -> Response:
+    fault = state.settings.metrics_fault_file
+    if fault is not None and fault.exists():  # the test hook: scrapes fail, serving goes on
+        return Response("metrics blocked (--metrics-fault-file)\n", status_code=503)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -41,6 +41,9 @@ class ServerSettings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0.0)
     """Seconds SIGTERM waits for in-flight requests before exiting."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_fault_file: Path | None = None
+    """Test hook: while this file exists, GET /metrics answers 503, as a pod whose metrics port
+    is blocked would (the autoscaler's cluster test makes scrapes fail under load with it)."""
 
     @property
     def model_name(self) -> str:
