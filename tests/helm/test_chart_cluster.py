@@ -164,7 +164,8 @@ def test_a_model_applied_afterwards_becomes_ready(release: Release, smollm2_dir:
 
 def test_the_operator_scales_and_autoscales_under_the_charts_role(release: Release) -> None:
     """More of the operator's API calls: a PDB made and deleted, the autoscaler's daemon
-    (pods, scrapes, status through the status subresource)."""
+    (pods, scrapes, status through the status subresource, the model's scale subresource) and
+    the Deployment's scale subresource."""
     policy = client.PolicyV1Api(release.dev.api_client)
 
     def pdb_exists() -> bool:
@@ -182,7 +183,8 @@ def test_the_operator_scales_and_autoscales_under_the_charts_role(release: Relea
     wait_for(lambda: not pdb_exists(), timeout_s=30, what="the PDB deleted at 1 replica")
     release.patch_model(
         {"spec": {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2,
-                                  "scrapeIntervalSeconds": 1}}}
+                                  "scrapeIntervalSeconds": 1, "stableWindowSeconds": 6,
+                                  "scaleDownDelaySeconds": 0}}}
     )  # fmt: skip
 
     def scaling_active(status: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,6 +192,22 @@ def test_the_operator_scales_and_autoscales_under_the_charts_role(release: Relea
         return status if "ScalingActive" in conditions else None
 
     release.wait_status("the autoscaler's ScalingActive condition", scaling_active, 60)
+    # Asked for 2 while idle: the reconciler sets the Deployment through its scale
+    # subresource, and the autoscaler brings the model back to 1 through the model's.
+    release.patch_model({"spec": {"replicas": 2}})
+    apps = release.dev.apps
+    wait_for(
+        lambda: apps.read_namespaced_deployment("smollm2", release.models_ns).spec.replicas == 2,
+        timeout_s=30,
+        what="the Deployment scaled to 2",
+    )
+
+    def scaled_back(status: dict[str, Any]) -> dict[str, Any] | None:
+        history = status.get("scalingHistory") or []
+        down = any(h.get("from") == 2 and h.get("to") == 1 for h in history)
+        return status if down and release.model()["spec"]["replicas"] == 1 else None
+
+    release.wait_status("the autoscaler scaling back to 1", scaled_back, 90)
     release.wait_status(
         "Ready at 1 replica", lambda s: s if s.get("readyReplicas") == 1 else None, 120
     )
