@@ -9,8 +9,10 @@ every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,13 +95,15 @@ class Release:
             _content_type="application/merge-patch+json",
         )  # fmt: skip
 
-    def wait_status(self, what: str, check: Any, timeout_s: float) -> dict[str, Any]:
+    def wait_status(
+        self, what: str, check: Any, timeout_s: float, name: str = "smollm2"
+    ) -> dict[str, Any]:
         try:
             return wait_for(
-                lambda: check(self.model().get("status") or {}), timeout_s=timeout_s, what=what
+                lambda: check(self.model(name).get("status") or {}), timeout_s=timeout_s, what=what
             )
         except AssertionError as exc:
-            status = json.dumps(self.model().get("status") or {})
+            status = json.dumps(self.model(name).get("status") or {})
             raise AssertionError(f"{exc}\nstatus: {status}\n{self.diagnostics()}") from None
 
     def diagnostics(self) -> str:
@@ -211,6 +215,49 @@ def test_the_operator_scales_and_autoscales_under_the_charts_role(release: Relea
     release.wait_status(
         "Ready at 1 replica", lambda s: s if s.get("readyReplicas") == 1 else None, 120
     )
+
+
+def test_failures_reach_the_status_under_the_charts_role(release: Release) -> None:
+    """A spec the API refuses in the Deployment (a Warning event, phase Failed) and weights the
+    runtime cannot load (the pod's /ready error in the Ready condition)."""
+    cache = Path(os.environ.get("KUBEINFER_CACHE", Path.home() / ".cache" / "kubeinfer"))
+    empty = cache / "helm-tests" / release.models_ns / "empty"  # never under /tmp: see
+    empty.mkdir(parents=True, exist_ok=True)  # tests/operator/test_operator_cluster.py
+    specs = {
+        "unservable": {
+            "model": {"uri": "pvc://weights"},
+            "replicas": 0,
+            "scheduling": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
+        },
+        "empty": {
+            "model": {"uri": f"hostpath://{empty}"},
+            "runtime": {"extraArgs": ["--device", "cpu", "--num-kv-blocks", "16"]},
+            "resources": {"gpus": 0, "cpu": "1", "memory": "1Gi"},
+        },
+    }
+    try:
+        for name, spec in specs.items():
+            body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceModel",
+                    "metadata": {"name": name}, "spec": spec}  # fmt: skip
+            release.custom.create_namespaced_custom_object(
+                GROUP, VERSION, release.models_ns, PLURAL, body
+            )
+        expected = {"unservable": "tolerations", "empty": str(empty)}
+        for name, text in expected.items():
+            status = release.wait_status(
+                f"{name} Failed", lambda s: s if s.get("phase") == "Failed" else None,
+                READY_TIMEOUT_S, name=name,
+            )  # fmt: skip
+            ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+            assert text in ready["message"], ready
+        events = release.dev.core.list_namespaced_event(release.models_ns).items
+        assert "InvalidSpec" in {e.reason for e in events if e.involved_object.name == "unservable"}
+    finally:
+        for name in specs:
+            release.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, release.models_ns, PLURAL, name
+            )
+        shutil.rmtree(empty.parent, ignore_errors=True)
 
 
 def test_helm_test_passes(release: Release) -> None:
