@@ -134,10 +134,11 @@ class Reconciler:
             self.request_status((ns, name))
         if not st.has_applied or st.failure:
             return  # the create/resume handler has not applied yet, or cannot
-        if event_type == "DELETED":
-            self._schedule_repair((ns, name), f"{kind} {name} was deleted")
-            return
         wanted = {m["kind"]: m for m in self._render_quietly(model)}
+        if event_type == "DELETED":
+            if kind in wanted:  # not a child the operator removed itself (a PDB at 1 replica)
+                self._schedule_repair((ns, name), f"{kind} {name} was deleted")
+            return
         if kind not in wanted:
             self._schedule_repair((ns, name), f"{kind} {name} is no longer wanted")
         elif (where := first_difference(wanted[kind], body)) is not None:

@@ -126,11 +126,17 @@ def test_pdb_goes_when_replicas_drop_to_one() -> None:
         model = make_model({"model": {"uri": "pvc://w"}, "replicas": 3})
         r.observe_model("ADDED", model)
         await r.apply(model)
-        assert ("PodDisruptionBudget", "models", "smollm2") in api.objects
+        pdb = copy.deepcopy(api.objects[("PodDisruptionBudget", "models", "smollm2")])
         model = make_model({"model": {"uri": "pvc://w"}, "replicas": 1}, generation=2)
         r.observe_model("MODIFIED", model)
         await r.apply(model)
         assert api.deleted == [("PodDisruptionBudget", "models", "smollm2")]
+        # the watch then reports the PDB's deletion: the operator's own doing, not drift
+        before = api.num_applies
+        r.observe_child("DELETED", pdb)
+        await settle()
+        assert api.num_applies == before
+        assert r.metrics.drift_repairs.labels("PodDisruptionBudget")._value.get() == 0  # noqa: SLF001
         await r.close()
 
     asyncio.run(run())
