@@ -25,6 +25,11 @@ die() { echo "e2e-kind: $*" >&2; exit 1; }
 step() { echo "--> [e2e-kind] $*"; }
 
 # --- prerequisites, before anything slow ------------------------------------------------------
+# kubectl and helm from `make controlplane` when it has run (the pinned versions), else PATH's.
+k8s_version=$(sed -n 's|^require k8s.io/kubernetes \(v[^ ]*\)$|\1|p' \
+  "$repo/hack/controlplane/kubernetes/go.mod")
+built=${KUBEINFER_CACHE:-$HOME/.cache/kubeinfer}/bin/$k8s_version
+[[ -n $k8s_version && -d $built ]] && export PATH=$built:$PATH
 missing=()
 for tool in docker kind kubectl helm; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")

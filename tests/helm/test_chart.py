@@ -362,8 +362,8 @@ def test_dockerfiles_match_what_is_rendered() -> None:
         assert re.search(rf"^USER {uid}:{uid}$", text, re.MULTILINE)
 
 
-def test_e2e_kind_refuses_clearly_without_docker(tmp_path: Path) -> None:
-    """No Docker or kind on PATH: a clear message naming them, before anything slow."""
+def _run_e2e_kind(tmp_path: Path, stubs: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """hack/e2e-kind.sh with a PATH of only the basics and `stubs` (each exits 1)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("bash", "sed", "dirname", "cat"):
@@ -371,14 +371,29 @@ def test_e2e_kind_refuses_clearly_without_docker(tmp_path: Path) -> None:
             if Path(folder, tool).exists():
                 (bin_dir / tool).symlink_to(Path(folder, tool))
                 break
-    done = subprocess.run(
+    for stub in stubs:
+        (bin_dir / stub).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / stub).chmod(0o755)
+    return subprocess.run(
         [str(bin_dir / "bash"), str(REPO / "hack" / "e2e-kind.sh")],
         env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_e2e_kind_refuses_clearly_without_docker(tmp_path: Path) -> None:
+    """No Docker or kind on PATH: a clear message naming them, before anything slow."""
+    done = _run_e2e_kind(tmp_path, stubs=("kubectl", "helm"))
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "docker" in done.stderr and "kind" in done.stderr, done.stderr
+    assert "needs docker kind on PATH" in done.stderr, done.stderr
     assert "cannot run" in done.stderr
     assert "-->" not in done.stdout  # nothing started
+
+
+def test_e2e_kind_refuses_clearly_without_a_docker_daemon(tmp_path: Path) -> None:
+    done = _run_e2e_kind(tmp_path, stubs=("docker", "kind", "kubectl", "helm"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "daemon does not answer" in done.stderr, done.stderr
+    assert "-->" not in done.stdout
