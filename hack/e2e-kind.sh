@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # e2e-kind.sh: kubeinfer end to end on a kind cluster, for machines with Docker (`make e2e-kind`).
 #
-#   1. a kind cluster (KIND_CLUSTER, default kubeinfer-e2e) whose node sees the SmolLM2 folder
-#      that `make model` makes at the same path as this machine does (hostpath:// in examples/)
+#   1. a kind cluster (KIND_CLUSTER, default kubeinfer-e2e) whose node sees a copy of the SmolLM2
+#      folder that `make model` makes at the same path as this machine does (hostpath:// in
+#      examples/)
 #   2. docker build both images (docker/*.Dockerfile) and `kind load` them
 #   3. fake nvidia.com/gpu capacity on the node (the runtime runs on the CPU: examples/ passes
 #      --device cpu), helm install helm/kubeinfer, helm test
@@ -43,8 +44,14 @@ docker info >/dev/null 2>&1 || die "docker is installed but its daemon does not 
 
 cd "$repo"
 make model
-model_dir=$(realpath .cache/models/smollm2-135m)
-[[ -f $model_dir/model.safetensors ]] || die "no model in $model_dir (make model failed?)"
+[[ -f .cache/models/smollm2-135m/model.safetensors ]] || die "no model (make model failed?)"
+# The runtime runs as uid 1000 and hostPath ignores fsGroup: the node sees a world-readable copy.
+model_dir=$repo/.cache/e2e-kind/smollm2-135m
+if [[ ! -f $model_dir/model.safetensors ]]; then
+  mkdir -p "$model_dir"
+  cp -rL .cache/models/smollm2-135m/. "$model_dir/"
+fi
+chmod -R a+rX "$repo/.cache/e2e-kind"
 
 # --- cluster ----------------------------------------------------------------------------------
 if ! kind get clusters | grep -qx "$cluster"; then
