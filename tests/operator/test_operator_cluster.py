@@ -251,8 +251,12 @@ def test_spec_change_rolls_out_new_pods(cluster: Cluster) -> None:
     status = cluster.wait_phase("smollm2", "Ready", READY_TIMEOUT_S, readyReplicas=1,
                                 updatedReplicas=1, replicas=1)  # fmt: skip
     assert status["observedGeneration"] == generation
-    new_pods = {p["metadata"]["name"] for p in cluster.pods("smollm2")}
-    assert not new_pods & old_pods
+    # the old pod may still be draining (SIGTERM, its grace period): wait until it is gone
+    wait_for(
+        lambda: not {p["metadata"]["name"] for p in cluster.pods("smollm2")} & old_pods,
+        timeout_s=90,
+        what="the old pods gone",
+    )
 
 
 def test_operator_restart_converges_without_duplicates(cluster: Cluster) -> None:
