@@ -12,10 +12,11 @@ MODEL_DIR := .cache/models/smollm2-135m
 # pip's own cache (~/.cache/pip) serves torch's several-GB wheels on a warm machine.
 VENV_STAMP := $(VENV)/.kubeinfer-installed
 
-.PHONY: help venv model demo test lint pytest bench clean controlplane e2e-kind
+.PHONY: help venv model demo demo-offline test lint pytest bench clean controlplane e2e-kind
 
 help:
-	@echo "make demo    - set up and run the demo"
+	@echo "make demo    - dev cluster, helm install, SmolLM2 autoscaled under load (DEMO_KEEP=0 to tear down)"
+	@echo "make demo-offline - one answer from the engine, no cluster"
 	@echo "make test    - set up and run every test (ruff + pytest)"
 	@echo "make model   - SmolLM2-135M-Instruct in HF format under $(MODEL_DIR)"
 	@echo "make bench   - run the benchmarks in bench/"
@@ -36,8 +37,14 @@ venv: $(VENV_STAMP)
 model: venv
 	@$(TIMED) model $(PY) hack/make_model.py --cache $(CACHE)/models --out $(MODEL_DIR)
 
-demo: venv model
-	@$(TIMED) demo $(VENV)/bin/kubeinfer generate --model $(MODEL_DIR) --max-tokens 32 \
+# The whole story on the dev cluster (hack/demo.py); DEMO_KEEP=0 tears the cluster down after.
+DEMO_KEEP ?= 1
+demo: venv model controlplane
+	@DEMO_KEEP=$(DEMO_KEEP) $(TIMED) demo $(VENV)/bin/python hack/demo.py
+
+# The offline path only: one answer from the engine, no cluster.
+demo-offline: venv model
+	@$(TIMED) demo-offline $(VENV)/bin/kubeinfer generate --model $(MODEL_DIR) --max-tokens 32 \
 	  "What is the capital of France?"
 
 lint: venv
@@ -60,7 +67,8 @@ bench: venv model
 	@$(TIMED) bench-scheduler $(PY) bench/scheduler.py
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 	@$(TIMED) bench-serve $(PY) bench/serve.py
-	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py
+	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py --png docs/autoscale_sim.png
+	@$(PY) hack/readme_sections.py  # the README shows the latest row of each
 
 # Machines with Docker only: the script checks for docker, kind, kubectl and helm before
 # anything slow and says what is missing (it cannot run on the Docker-less dev machine).

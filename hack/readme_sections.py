@@ -1,11 +1,12 @@
-"""Write the InferenceModel reference in README.md from the CRD's schema, so the two cannot drift.
+"""Write README.md's generated sections, so they cannot drift from their sources.
 
-    python hack/crd_reference.py          # rewrite the block between the README's markers
-    python hack/crd_reference.py --check  # exit 1 when the README is not current
+    python hack/readme_sections.py          # rewrite the blocks between the README's markers
+    python hack/readme_sections.py --check  # exit 1 when the README is not current
 
-Every spec field gets a row: its path, type, default, constraints (ranges, enums, patterns,
-CEL rules that name it) and description. A spec field without a description is an error, so a
-new field cannot land undocumented.
+- The InferenceModel reference, from the CRD's schema: every spec field gets a row with its
+  path, type, default, constraints (ranges, enums, patterns, CEL rules that name it) and
+  description. A spec field without a description is an error, so none lands undocumented.
+- The benchmark summary, from bench/RESULTS.md: the latest row of each benchmark.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CRD = REPO / "crds" / "inferencemodels.kubeinfer.dev.yaml"
 README = REPO / "README.md"
-BEGIN = "<!-- BEGIN inferencemodel-reference (hack/crd_reference.py writes this) -->"
+RESULTS = REPO / "bench" / "RESULTS.md"
+BEGIN = "<!-- BEGIN inferencemodel-reference (hack/readme_sections.py writes this) -->"
 END = "<!-- END inferencemodel-reference -->"
+BENCH_BEGIN = "<!-- BEGIN bench-summary (hack/readme_sections.py writes this) -->"
+BENCH_END = "<!-- END bench-summary -->"
 
 
 class ReferenceError(Exception):
@@ -125,12 +129,32 @@ def render(crd_path: Path = CRD) -> str:
     return "\n".join(lines)
 
 
-def rewrite(readme: str, block: str) -> str:
+def render_bench(results_path: Path = RESULTS) -> str:
+    """The latest row of each benchmark in bench/RESULTS.md, in first-seen order."""
+    header: str | None = None
+    latest: dict[str, str] = {}
+    for line in results_path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= {"-"}:
+            continue
+        if cells[0] == "date":
+            header = line
+            continue
+        latest[cells[1]] = line  # a dict keeps the first-seen order; the value is the last
+    if header is None:
+        raise ReferenceError(f"{results_path.name} has no table header")
+    separator = "|" + "---|" * (header.count("|") - 1)
+    return "\n".join(
+        [BENCH_BEGIN, "", header, separator, *latest.values(), "", BENCH_END]
+    )
+
+
+def rewrite(readme: str, block: str, begin: str = BEGIN, end: str = END) -> str:
     """`readme` with the block between the markers replaced by `block`."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1:
-        raise ReferenceError(f"{README.name} must hold the markers {BEGIN!r} and {END!r} once each")
-    head, rest = readme.split(BEGIN)
-    _, tail = rest.split(END)
+    if readme.count(begin) != 1 or readme.count(end) != 1:
+        raise ReferenceError(f"{README.name} must hold the markers {begin!r} and {end!r} once each")
+    head, rest = readme.split(begin)
+    _, tail = rest.split(end)
     return head + block + tail
 
 
@@ -141,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         readme = README.read_text()
         updated = rewrite(readme, render())
+        updated = rewrite(updated, render_bench(), BENCH_BEGIN, BENCH_END)
     except ReferenceError as exc:
-        print(f"crd_reference: {exc}", file=sys.stderr)
+        print(f"readme_sections: {exc}", file=sys.stderr)
         return 2
     if args.check:
         if updated != readme:
-            print("README.md's InferenceModel reference is stale: run "
-                  "`python hack/crd_reference.py`", file=sys.stderr)
+            print("README.md's generated sections are stale: run "
+                  "`python hack/readme_sections.py`", file=sys.stderr)
             return 1
         return 0
     README.write_text(updated)

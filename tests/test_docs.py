@@ -1,4 +1,5 @@
-"""Docs that are generated must be current: the README's InferenceModel reference."""
+"""Docs that are generated must be current: the README's InferenceModel reference and its
+benchmark summary (hack/readme_sections.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _generator():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("crd_reference", REPO / "hack/crd_reference.py")
+    spec = importlib.util.spec_from_file_location("readme", REPO / "hack/readme_sections.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
 
 def test_readme_reference_is_current() -> None:
-    assert _generator().main(["--check"]) == 0, "run `python hack/crd_reference.py`"
+    assert _generator().main(["--check"]) == 0, "run `python hack/readme_sections.py`"
 
 
 def test_reference_lists_every_spec_field_with_default() -> None:
@@ -47,3 +48,16 @@ def test_missing_markers_are_named() -> None:
     gen = _generator()
     with pytest.raises(gen.ReferenceError, match="markers"):
         gen.rewrite("# no markers here\n", "x")
+
+
+def test_bench_summary_keeps_the_latest_row_of_each_bench(tmp_path: Path) -> None:
+    gen = _generator()
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "# x\n\n| date | bench | ours |\n|---|---|---|\n"
+        "| d1 | loader | 1 |\n| d1 | serve | 2 |\n| d2 | loader | 3 |\n"
+    )
+    block = gen.render_bench(results)
+    assert "| d2 | loader | 3 |" in block and "| d1 | serve | 2 |" in block
+    assert "| d1 | loader | 1 |" not in block
+    assert block.index("loader") < block.index("serve")
