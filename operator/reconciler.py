@@ -13,7 +13,8 @@ call `apply`. Promises:
   watch event arrives (counted in `kubeinfer_operator_drift_repairs`, and an event).
 - Status is recomputed (coalesced per model) on every change of the Deployment or a pod and
   every `pod_probe_interval_s` while pods are not ready (their /ready tells load progress and
-  load errors); it is written with server-side apply only when it changed.
+  load errors); it is written with server-side apply only when it changed. A change that
+  arrives while a write is in flight gets a write of its own after it.
 - Only one apply per model runs at a time.
 """
 
@@ -67,6 +68,7 @@ class ModelState:
     has_applied: bool = False
     repair_task: asyncio.Task[None] | None = None
     status_task: asyncio.Task[None] | None = None
+    is_status_stale: bool = False  # a change came after the running status task computed
 
 
 class Reconciler:
@@ -291,16 +293,25 @@ class Reconciler:
     def request_status(self, key: Key, delay: float = STATUS_DEBOUNCE_S) -> None:
         """Recompute and write `key`'s status soon (requests within `delay` coalesce)."""
         st = self.states.get(key)
-        if st is None or (st.status_task is not None and not st.status_task.done()):
+        if st is None:
             return
-        st.status_task = asyncio.create_task(self._status_soon(key, delay))
+        if st.status_task is not None and not st.status_task.done():
+            st.is_status_stale = True  # the running task writes once more after this one
+            return
+        st.status_task = asyncio.create_task(self._status_soon(key, st, delay))
 
-    async def _status_soon(self, key: Key, delay: float) -> None:
-        await asyncio.sleep(delay)
-        try:
-            await self.write_status(key)
-        except ApiError as exc:  # a 404 too: the model went while the write was on its way
-            logger.warning("%s/%s: status write failed (next change retries): %s", *key, exc)
+    async def _status_soon(self, key: Key, st: ModelState, delay: float) -> None:
+        while True:
+            await asyncio.sleep(delay)
+            st.is_status_stale = False  # what came so far is in the status computed now
+            try:
+                await self.write_status(key)
+            except ApiError as exc:  # a 404 too: the model went while the write was on its way
+                logger.warning("%s/%s: status write failed (next change retries): %s", *key, exc)
+                return
+            if not st.is_status_stale or self.states.get(key) is not st:
+                return
+            delay = STATUS_DEBOUNCE_S
 
     def compute(self, key: Key) -> dict[str, Any] | None:
         model, st = self.models.get(key), self.states.get(key)

@@ -373,6 +373,8 @@ def test_load_scales_up_failed_scrapes_hold_idle_scales_down(env: Env, tiny_mode
         # 2. every pod's /metrics fails while loaded -> no scale-down
         wait_for(lambda: len(env.ready_pods()) == 2, timeout_s=READY_TIMEOUT_S,
                  what="two ready replicas")  # fmt: skip
+        wait_for(lambda: env.status().get("readyReplicas") == 2, timeout_s=10,
+                 what="status.readyReplicas 2")  # fmt: skip
         time.sleep(2 * SCRAPE_S)  # the load reaches the new pod (the next batch finds it)
         pods = env.ready_pods()
         for pod_name, _ in pods:

@@ -172,3 +172,34 @@ def test_autoscaled_replicas_go_through_scale() -> None:
         await r.close()
 
     asyncio.run(run())
+
+
+def test_a_change_seen_while_a_status_write_is_in_flight_is_written_after_it() -> None:
+    """The dev cluster showed readyReplicas stuck at 1 with two ready pods for 50 s: the
+    Deployment's readyReplicas=2 event came while the previous status write was on its way,
+    and a request made then was dropped instead of followed by another write."""
+
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        await settle()
+        release = asyncio.Event()
+        written = api.apply_model_status
+
+        async def slow_write(ns: str, name: str, status: dict[str, Any]) -> dict:
+            await release.wait()
+            return await written(ns, name, status)
+
+        api.apply_model_status = slow_write  # type: ignore[method-assign]
+        dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
+        r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 0}})
+        await settle()  # that write is now waiting on the API
+        r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 1}})
+        release.set()
+        await settle()
+        assert api.statuses[-1]["readyReplicas"] == 1
+        await r.close()
+
+    asyncio.run(run())
