@@ -7,7 +7,8 @@ the official `openai` client -> a bounded load burst with `kubeinfer loadgen` wh
 demo-timeline.png, `kubectl get im` and the scaling events.
 
 Environment: DEMO_KEEP=0 tears the cluster down at the end (default: leave it up);
-KUBEINFER_DEV_DIR picks the dev cluster's state folder; DEMO_PNG the plot's path. Every wait is
+KUBEINFER_DEV_DIR picks the dev cluster's state folder (default `.cache/demo`, apart from the
+tests' `.cache/dev`); DEMO_PNG the plot's path. Every wait is
 bounded; the whole run takes a few minutes and exits non-zero when any step fails.
 """
 
@@ -123,9 +124,15 @@ def example_manifest(model_dir: Path) -> str:
 # --- steps ----------------------------------------------------------------------------------
 
 
+def state_dir() -> Path:
+    """The demo's own cluster (`.cache/demo`), so its operator, installed for every namespace,
+    never meets the operators of the tests' cluster in `.cache/dev`; KUBEINFER_DEV_DIR wins."""
+    return Path(os.environ.get("KUBEINFER_DEV_DIR") or REPO / ".cache" / "demo").resolve()
+
+
 def start_cluster() -> Cluster:
-    with step("dev cluster (kubeinfer dev up)"):
-        dev = DevCluster.from_env()
+    with step(f"dev cluster (kubeinfer dev up --state-dir {state_dir()})"):
+        dev = DevCluster.from_env(state_dir())
         try:
             dev.up(progress=lambda line: say(f"    {line}"))
         except DevClusterError as exc:
@@ -436,9 +443,10 @@ def main() -> int:
                 cluster.dev.down(purge=ok, progress=lambda line: say(f"    {line}"))
     say(f"\ndemo OK in {time.monotonic() - started:.0f}s")
     if keep:
-        say("The cluster is still up: `export KUBECONFIG=$(.venv/bin/kubeinfer dev kubeconfig)`, "
-            f"then `{cluster.bin if cluster else ''}/kubectl get im`; stop it with "
-            "`.venv/bin/kubeinfer dev down`.")
+        where = f"--state-dir {state_dir()}"
+        say(f"The cluster is still up: export KUBECONFIG={state_dir() / 'kubeconfig'}; then "
+            f"{cluster.bin if cluster else ''}/kubectl get im; stop it with "
+            f"`.venv/bin/kubeinfer dev down {where}`.")
     return 0
 
 
