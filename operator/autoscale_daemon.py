@@ -53,6 +53,13 @@ class AutoscalingSettings:
     target_per_replica: float
     scrape_interval_s: float
     policy: Policy
+    # spec.autoscaling.additionalMetrics as (metric, target per replica); decide takes the max
+    additional_metrics: tuple[tuple[MetricName, float], ...] = ()
+
+    @property
+    def targets(self) -> tuple[tuple[MetricName, float], ...]:
+        """Every metric to scale on with its target: the primary first."""
+        return ((self.metric, self.target_per_replica), *self.additional_metrics)
 
 
 def settings_from_spec(spec: Mapping[str, Any]) -> AutoscalingSettings:
@@ -70,6 +77,9 @@ def settings_from_spec(spec: Mapping[str, Any]) -> AutoscalingSettings:
         target_per_replica=float(a.get("targetPerReplica", 1000)),
         scrape_interval_s=float(a.get("scrapeIntervalSeconds", 5)),
         policy=policy,
+        additional_metrics=tuple(
+            (m["metric"], float(m["targetPerReplica"])) for m in a.get("additionalMetrics") or ()
+        ),
     )
 
 
@@ -160,15 +170,18 @@ async def autoscale_tick(
     store.retain([p.name for p in pods], now)
     policy = settings.policy
     ready_names = [p.name for p in ready]
-    reading = store.reading(
-        settings.metric,
-        settings.target_per_replica,
-        ready_pods=ready_names,
-        now=now,
-        stable_window_s=policy.stable_window_s,
-        panic_window_s=policy.panic_window_s,
+    readings = tuple(
+        store.reading(
+            metric,
+            target,
+            ready_pods=ready_names,
+            now=now,
+            stable_window_s=policy.stable_window_s,
+            panic_window_s=policy.panic_window_s,
+        )
+        for metric, target in settings.targets
     )
-    decision = decide(policy, Observation(now, current, len(ready), (reading,)), memory.state)
+    decision = decide(policy, Observation(now, current, len(ready), readings), memory.state)
     memory.state = decision.state
     stamp = _iso(wall_now)
     if decision.replicas != current:
@@ -182,7 +195,8 @@ async def autoscale_tick(
         memory.last_scale_time = stamp
         await api.event("Scaled", message)
     snapshot = store.snapshot(ready_names, now, policy.stable_window_s)
-    await _write_status(api, memory, decision, snapshot, reading.num_stable_pods, len(ready), stamp)
+    num_with_data = max(r.num_stable_pods for r in readings)
+    await _write_status(api, memory, decision, snapshot, num_with_data, len(ready), stamp)
     return decision
 
 

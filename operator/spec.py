@@ -70,12 +70,20 @@ class SchedulingSpec(_Spec):
     runtime_class_name: str = Field("", alias="runtimeClassName")
 
 
+class AdditionalMetric(_Spec):
+    metric: MetricName
+    target_per_replica: float = Field(alias="targetPerReplica", gt=0)
+
+
 class AutoscalingSpec(_Spec):
     enabled: bool = False
     min_replicas: int = Field(1, alias="minReplicas", ge=0)
     max_replicas: int = Field(4, alias="maxReplicas", ge=1)
     metric: MetricName = "generationTokensPerSecond"
     target_per_replica: float = Field(1000.0, alias="targetPerReplica", gt=0)
+    additional_metrics: list[AdditionalMetric] = Field(
+        default_factory=list, alias="additionalMetrics", max_length=4
+    )
     stable_window_seconds: int = Field(60, alias="stableWindowSeconds", ge=1)
     panic_window_seconds: int = Field(6, alias="panicWindowSeconds", ge=1)
     scale_down_delay_seconds: int = Field(300, alias="scaleDownDelaySeconds", ge=0)
@@ -145,4 +153,10 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
     parse_model_uri(parsed.model.uri)
     if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
         raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
+    names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]
+    if len(set(names)) != len(names):
+        raise InvalidSpecError(
+            "spec.autoscaling.additionalMetrics must name each metric once, and not "
+            "autoscaling.metric"
+        )
     return parsed

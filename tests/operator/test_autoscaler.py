@@ -283,3 +283,47 @@ def test_one_tick_at_most_doubles_and_pods_on_their_way_count() -> None:
     # the same shortfall, seen again while those pods start, asks for nothing beyond it
     again = decide(POLICY, Observation(5.0, 10, 1, (_reading(10_000, 1, panic=0),)), d.state)
     assert again.replicas == 10
+
+
+def _waiting(total: float, num_pods: int, target: float = 5.0) -> MetricReading:
+    return MetricReading("requestsWaiting", target, total, num_pods, total, num_pods)
+
+
+def test_a_growing_queue_scales_past_what_saturated_throughput_asks() -> None:
+    """Saturated pods show their capacity, not the demand: 2 ready pods at 2,000 tok/s each
+    ask for 4 while a 9,000 tok/s demand waits; pods on their way stop throughput asking more.
+    The queue keeps growing while they start and asks past that."""
+    policy = Policy(min_replicas=1, max_replicas=10)
+
+    def run(with_queue: bool) -> list[int]:
+        state, current, out = ScalerState(), 2, []
+        for now in range(0, 35, 5):
+            readings = [_reading(4000, 2)]
+            if with_queue:
+                readings.append(_waiting(4.0 * now, 2))  # 4 more requests/s, target 5
+            d = decide(policy, Observation(float(now), current, 2, tuple(readings)), state)
+            state, current = d.state, d.replicas
+            out.append(current)
+        return out
+
+    throughput_only, both = run(False), run(True)
+    assert throughput_only[-1] == 4, throughput_only
+    assert both[-1] > 4 and both == sorted(both), both
+    assert both[:2] == throughput_only[:2], "an empty queue changes nothing"
+
+
+def test_the_queue_asks_when_throughput_holds() -> None:
+    # 4 pods at 1,050 tok/s (within tolerance of 1,000) yet 30 requests waiting (target 5)
+    alone = _once(4, 4, _reading(4200, 4))
+    d = _once(4, 4, _reading(4200, 4), _waiting(30, 4))
+    assert alone.replicas == 4 and d.replicas == 6 and d.metric == "requestsWaiting", d
+    assert "requests waiting 30 over target 5 per replica" in d.reason
+
+
+def test_an_idle_queue_does_not_block_scale_down() -> None:
+    alone = _once(4, 4, _reading(1000, 4))
+    d = _once(4, 4, _reading(1000, 4), _waiting(0, 4))
+    assert alone.replicas == d.replicas == 2, d  # one step at most halves
+    assert d.metric == "generationTokensPerSecond" and "under target" in d.reason, d
+    # a small queue that one replica carries does not hold the others either
+    assert _once(4, 4, _reading(1000, 4), _waiting(3, 4)).replicas == 2

@@ -31,6 +31,7 @@ class FakeCluster:
         self.spec, self.rate, self.now = spec, rate, 0.0
         self.pods = [PodInfo(f"p{i}", f"127.1.0.{i + 1}", True) for i in range(num_ready)]
         self.failing: set[str] = set()
+        self.waiting: float | None = None  # each pod's vllm:num_requests_waiting, when set
         self.scaled: list[int] = []
         self.statuses: list[dict[str, Any]] = []
         self.events: list[tuple[str, str]] = []
@@ -53,10 +54,13 @@ class FakeCluster:
 
     async def scrape(self, targets: list[PodTarget]) -> list[PodSample]:
         assert all(t.url.endswith(":8000/metrics") for t in targets)
+        gauges = {} if self.waiting is None else {"vllm:num_requests_waiting": self.waiting}
         return [
             PodSample(t.name, self.now, error="ConnectTimeout")
             if t.name in self.failing
-            else PodSample(t.name, self.now, {"vllm:generation_tokens_total": self.rate * self.now})
+            else PodSample(
+                t.name, self.now, {"vllm:generation_tokens_total": self.rate * self.now}, gauges
+            )
             for t in targets
         ]
 
@@ -190,3 +194,41 @@ def test_loop_survives_a_failing_round_and_stops_when_disabled() -> None:
         )
     )
     assert calls["n"] == 3 and slept == [2.0, 2.0, 2.0]
+
+
+WAITING = [{"metric": "requestsWaiting", "targetPerReplica": 5}]
+
+
+def test_additional_metrics_are_parsed_primary_first() -> None:
+    settings = settings_from_spec(model_spec(additionalMetrics=WAITING))
+    assert settings.targets == (("generationTokensPerSecond", 1000.0), ("requestsWaiting", 5.0))
+    assert settings_from_spec(model_spec()).targets == (("generationTokensPerSecond", 1000.0),)
+
+
+def test_a_queue_scales_up_saturated_pods_that_throughput_alone_holds() -> None:
+    """Two pods generate 1,050 tok/s each (within tolerance of 1,000: they are saturated and
+    cannot show more) while 10 requests wait on each: the queue asks 20 / 5 = 4."""
+    runs = {}
+    for name, extra in (("alone", {}), ("with queue", {"additionalMetrics": WAITING})):
+        spec = model_spec(replicas=2, maxReplicas=8, **extra)
+        cluster = FakeCluster(spec, num_ready=2, rate=1050)
+        cluster.waiting = 10
+        memory = new_memory(settings_from_spec(spec))
+        run_ticks(cluster, memory, until=10)
+        runs[name] = cluster
+    assert runs["alone"].scaled == []
+    cluster = runs["with queue"]
+    assert cluster.scaled == [4], cluster.scaled
+    assert "requests waiting 20 over target 5 per replica" in cluster.events[0][1]
+    status = cluster.statuses[-1]
+    assert status["metrics"]["requestsWaiting"] == 20
+    assert {c["type"]: c for c in status["conditions"]}["ScalingActive"]["status"] == "True"
+
+
+def test_an_idle_queue_does_not_block_scale_down() -> None:
+    spec = model_spec(replicas=4, additionalMetrics=WAITING)
+    cluster = FakeCluster(spec, num_ready=4, rate=0)
+    cluster.waiting = 0
+    memory = new_memory(settings_from_spec(spec))
+    run_ticks(cluster, memory, until=40)
+    assert cluster.scaled == [2, 1]  # as without the queue metric

@@ -14,6 +14,7 @@ from kubeinfer.operator.spec import (
     InvalidSpecError,
     ModelSource,
     parse_model_uri,
+    parse_spec,
 )
 
 
@@ -117,3 +118,24 @@ def test_registry_wires_models_children_and_the_autoscaler() -> None:
     assert {"inferencemodels", "deployments", "services", "poddisruptionbudgets", "pods"} <= watched
     changing = registry._changing.get_all_handlers()  # noqa: SLF001
     assert len(changing) == 3  # resume, create, update
+
+
+def test_additional_metrics_share_the_metric_enum_and_key_on_it(crd: dict[str, Any]) -> None:
+    autoscaling = _schema(crd)["properties"]["spec"]["properties"]["autoscaling"]["properties"]
+    extra = autoscaling["additionalMetrics"]
+    assert extra["x-kubernetes-list-type"] == "map"
+    assert extra["x-kubernetes-list-map-keys"] == ["metric"]
+    assert extra["items"]["properties"]["metric"]["enum"] == autoscaling["metric"]["enum"]
+
+
+def test_additional_metrics_parse_and_may_not_repeat_a_metric() -> None:
+    waiting = {"metric": "requestsWaiting", "targetPerReplica": 4}
+    spec = parse_spec(
+        {"model": {"uri": "pvc://w"}, "autoscaling": {"additionalMetrics": [waiting]}}
+    )
+    (metric,) = spec.autoscaling.additional_metrics
+    assert (metric.metric, metric.target_per_replica) == ("requestsWaiting", 4.0)
+    for repeated in ([waiting, waiting], [{**waiting, "metric": "generationTokensPerSecond"}]):
+        body = {"model": {"uri": "pvc://w"}, "autoscaling": {"additionalMetrics": repeated}}
+        with pytest.raises(InvalidSpecError, match="spec.autoscaling.additionalMetrics"):
+            parse_spec(body)

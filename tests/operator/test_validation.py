@@ -112,6 +112,34 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.autoscaling.targetPerReplica",
     ),
     (
+        "additional metric repeats the metric",
+        with_spec(
+            "spec.autoscaling",
+            {"additionalMetrics": [{"metric": "generationTokensPerSecond", "targetPerReplica": 5}]},
+        ),
+        "spec.autoscaling.additionalMetrics",
+    ),
+    (
+        "additional metric twice",
+        with_spec(
+            "spec.autoscaling",
+            {"additionalMetrics": [{"metric": "requestsWaiting", "targetPerReplica": 5}] * 2},
+        ),
+        "spec.autoscaling.additionalMetrics[1]",
+    ),
+    (
+        "additional metric without a target",
+        with_spec("spec.autoscaling", {"additionalMetrics": [{"metric": "requestsWaiting"}]}),
+        "spec.autoscaling.additionalMetrics[0].targetPerReplica",
+    ),
+    (
+        "additional metric unknown",
+        with_spec(
+            "spec.autoscaling", {"additionalMetrics": [{"metric": "qps", "targetPerReplica": 5}]}
+        ),
+        "spec.autoscaling.additionalMetrics[0].metric",
+    ),
+    (
         "panic window over stable",
         with_spec("spec.autoscaling", {"panicWindowSeconds": 120}),
         "spec.autoscaling.panicWindowSeconds",
