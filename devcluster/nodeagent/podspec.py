@@ -159,7 +159,13 @@ def container_env(
 ) -> dict[str, str]:
     """The process environment: base variables, then the container's, in order, each expanded
     against those before it (as the kubelet does)."""
-    namespace = pod.get("metadata", {}).get("namespace", "default")
+    env = base_env(pod, ctx, mapping)
+    return _with_container_env(env, pod, container, ctx, lookup)
+
+
+def base_env(pod: Pod, ctx: PodContext, mapping: ImageMapping) -> dict[str, str]:
+    """What the agent itself sets: host paths (PATH, VIRTUAL_ENV, KUBECONFIG) and API address;
+    they point into this machine, never into the pod's mounts, so mounts do not rewrite them."""
     env: dict[str, str] = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
     system_path = ":".join(p for p in ctx.agent_path.split(":") if p and Path(p) != ctx.venv_bin)
     if mapping.environment == "venv":
@@ -176,6 +182,14 @@ def container_env(
     )
     if ctx.kubeconfig is not None:
         env["KUBECONFIG"] = str(ctx.kubeconfig)
+    return env
+
+
+def _with_container_env(
+    env: dict[str, str], pod: Pod, container: Container, ctx: PodContext, lookup: KeyLookup
+) -> dict[str, str]:
+    namespace = pod.get("metadata", {}).get("namespace", "default")
+    env = dict(env)
     for source in container.get("envFrom") or []:
         env.update(_env_from(source, namespace, lookup))
     for var in container.get("env") or []:
@@ -245,9 +259,10 @@ def launch_spec(
     """Everything needed to start `container` of `pod` as a local process."""
     mapping = resolve_image(container.get("image", ""), mappings)
     rewrites = mount_rewrites(container, volume_paths(pod, ctx.pod_dir))
-    env = {
-        k: rewrite_paths(v, rewrites)
-        for k, v in container_env(pod, container, ctx, mapping, lookup).items()
+    base = base_env(pod, ctx, mapping)
+    env = {  # the pod's own values see its mounts; the agent's host paths stay as they are
+        k: v if base.get(k) == v else rewrite_paths(v, rewrites)
+        for k, v in _with_container_env(base, pod, container, ctx, lookup).items()
     }
     command = container.get("command") or list(mapping.entrypoint)
     argv = expand_all([*command, *(container.get("args") or [])], env)

@@ -138,6 +138,32 @@ def test_runtime_image_runs_with_the_project_venv(tmp_path: Path) -> None:
     assert spec.env["PATH"].split(":")[0] == "/repo/.venv/bin"
 
 
+def test_a_tmp_mount_leaves_the_agents_own_paths_alone(tmp_path: Path) -> None:
+    """A checkout under /tmp (as CI may clone) and a pod with an emptyDir at /tmp (the
+    operator's and the runtime's read-only-root pods): the agent's PATH, VIRTUAL_ENV and
+    KUBECONFIG point into the checkout and must not be rewritten; the pod's own values are."""
+    pod = _pod(
+        container={
+            "image": "kubeinfer/operator:dev",
+            "command": None,
+            "args": ["operator", "run", "--log-dir", "/tmp/logs"],
+            "env": [{"name": "CACHE", "value": "/tmp/cache"}],
+            "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        },
+        volumes=[{"name": "tmp", "emptyDir": {}}],
+    )
+    ctx = _ctx(tmp_path)
+    ctx.venv_bin = Path("/tmp/ci/.venv/bin")
+    ctx.kubeconfig = Path("/tmp/ci/.cache/dev/pods/p/kubeconfig")
+    spec = launch_spec(pod, pod["spec"]["containers"][0], ctx, default_image_mappings(), _lookup)
+    assert spec.env["PATH"].split(":")[0] == "/tmp/ci/.venv/bin"
+    assert spec.env["VIRTUAL_ENV"] == "/tmp/ci/.venv"
+    assert spec.env["KUBECONFIG"] == "/tmp/ci/.cache/dev/pods/p/kubeconfig"
+    assert not spec.env["CACHE"].startswith("/tmp/cache")  # the pod's own: its emptyDir
+    assert spec.env["CACHE"].endswith("/cache") and spec.argv[-1].endswith("/logs")
+    assert not spec.argv[-1].startswith("/tmp/logs")
+
+
 def test_unmapped_image_is_refused_with_a_reason() -> None:
     with pytest.raises(PodSpecError) as err:
         resolve_image("nginx:1.27", default_image_mappings())
