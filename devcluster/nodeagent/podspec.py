@@ -110,11 +110,15 @@ def mount_rewrites(container: Container, volumes: Mapping[str, Path]) -> list[tu
 
 
 def rewrite_paths(text: str, rewrites: list[tuple[str, str]]) -> str:
-    """Replace each mount path in `text` that stands as a path (not inside a longer word)."""
-    for mount_path, real in rewrites:
-        pattern = r"(?<![\w./-])" + re.escape(mount_path) + r"(?=/|$|[^\w.-])"
-        text = re.sub(pattern, lambda _m, real=real: real, text)  # type: ignore[misc]
-    return text
+    """Replace each mount path in `text` that stands as a path (not inside a longer word), in
+    one pass: a replacement is never scanned again (a real path under /tmp stays as it is when
+    /tmp is a mount too). Longer mount paths win, as `mount_rewrites` orders them."""
+    if not rewrites:
+        return text
+    real_of = dict(rewrites)
+    paths = "|".join(re.escape(mount_path) for mount_path, _ in rewrites)
+    pattern = r"(?<![\w./-])(" + paths + r")(?=/|$|[^\w.-])"
+    return re.sub(pattern, lambda m: real_of[m.group(1)], text)
 
 
 def field_ref(pod: Pod, path: str, ctx: PodContext) -> str:

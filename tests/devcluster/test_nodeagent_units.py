@@ -182,6 +182,14 @@ def test_missing_configmap_key_is_a_config_error(tmp_path: Path) -> None:
         )
 
 
+def test_rewrite_paths_never_rewrites_a_replacement_again() -> None:
+    # a volume's real path lies under /tmp (the agent's state in a /tmp checkout) and the pod
+    # also mounts an emptyDir at /tmp: /scripts must become its real path, once
+    rewrites = [("/scripts", "/tmp/ci/run/v/scripts"), ("/tmp", "/tmp/ci/run/v/tmp")]
+    assert rewrite_paths("/scripts/check.py", rewrites) == "/tmp/ci/run/v/scripts/check.py"
+    assert rewrite_paths("/tmp/x /scripts", rewrites) == "/tmp/ci/run/v/tmp/x /tmp/ci/run/v/scripts"
+
+
 def test_rewrite_paths_only_touches_whole_path_components() -> None:
     rewrites = [("/models", "/real/m")]
     assert rewrite_paths("--model=/models/x", rewrites) == "--model=/real/m/x"
