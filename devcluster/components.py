@@ -25,6 +25,8 @@ COMPONENTS: tuple[ComponentName, ...] = (
     "kube-scheduler",
     "node-agent",
 )
+# The API server allocates ClusterIPs from this range; nothing here ever connects to one (no
+# kube-proxy; clients use pod IPs from 127.1.0.0/16).
 SERVICE_CIDR = "10.0.0.0/24"
 HOST = "127.0.0.1"
 

@@ -219,6 +219,7 @@ class Load:
         self.rounds: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._procs: dict[str, subprocess.Popen[str]] = {}
+        self.urls: list[str] = []  # the ready pods, listed every 2 s while the load runs
         self._lock = threading.Lock()
         self._seed = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -269,15 +270,17 @@ class Load:
         )
 
     def _loop(self) -> None:
+        listed_at = 0.0
         while not self.stopped.is_set():
-            try:
-                urls = self.cluster.pod_urls()[: self.max_pods]
-            except Exception as exc:  # noqa: BLE001 - the API may blink; try again
-                self.errors.append(f"listing pods: {exc}")
-                urls = []
+            if time.monotonic() - listed_at >= 2.0:  # the pods change slowly; reaping does not
+                listed_at = time.monotonic()
+                try:
+                    self.urls = self.cluster.pod_urls()
+                except Exception as exc:  # noqa: BLE001 - the API may blink; try again
+                    self.errors.append(f"listing pods: {exc}")
             with self._lock:
                 self._reap()
-                for url in urls:
+                for url in self.urls[: self.max_pods]:
                     if url not in self._procs and not self.stopped.is_set():
                         self._launch(url)
             time.sleep(0.5)
@@ -302,7 +305,7 @@ def scrape(urls: list[str]) -> tuple[float, float]:
 
 def sample(cluster: Cluster, load: Load, t0: float) -> Sample:
     status = cluster.model().get("status", {})
-    running, waiting = scrape(cluster.pod_urls())
+    running, waiting = scrape(load.urls if not load.stopped.is_set() else cluster.pod_urls())
     return Sample(
         t=time.monotonic() - t0,
         load=load.clients(),

@@ -100,7 +100,7 @@ def test_operator_deployment_is_locked_down(helm: Helm, values: Path | None) -> 
 
 
 def _settings_from_env(env: dict[str, Any]) -> OperatorSettings:
-    pod_ip = "10.0.0.7"
+    pod_ip = "127.1.0.7"  # a dev pod IP; only substituted into the env, never dialed
     plain = {
         k: str(v).replace("$(POD_IP)", pod_ip)
         for k, v in env.items()
@@ -125,7 +125,7 @@ def test_env_maps_every_operator_setting_one_to_one(helm: Helm) -> None:
     settings = _settings_from_env(env)
     assert settings.runtime_image == f"kubeinfer/runtime:{__version__}"
     assert settings.is_clusterwide
-    assert settings.liveness_host == settings.metrics_host == "10.0.0.7"
+    assert settings.liveness_host == settings.metrics_host == "127.1.0.7"
     # the chart's defaults are the operator's defaults
     defaults = OperatorSettings()
     for name in OperatorSettings.model_fields:
