@@ -24,6 +24,10 @@ METRIC_NAMES: tuple[MetricName, ...] = (
     "requestsRunning",
     "kvCacheUsage",
 )
+# Metrics that measure a backlog (work already arrived and not yet served), not the demand
+# (a rate of arrivals, or the work in flight that it keeps up). `decide` lets a backlog scale
+# up but does not hold replicas for it through the scale-down delay once it is drained.
+BACKLOG_METRICS: frozenset[MetricName] = frozenset({"requestsWaiting"})
 # How a metric reads in a reason or an event ("generation tokens/s 5,400 over target ...").
 METRIC_LABELS: dict[MetricName, str] = {
     "generationTokensPerSecond": "generation tokens/s",
@@ -57,9 +61,10 @@ class Policy:
 class MetricReading:
     """One metric over both windows, summed over the ready pods that had data.
 
-    `*_total` is the sum of the per-pod window values (a rate for counters, the mean for
-    gauges) over the `num_*_pods` ready pods with enough samples in that window; ready pods
-    without data (failed or too few scrapes) are simply not in the sum.
+    `*_total` is the total over the `num_*_pods` ready pods with enough samples in that window:
+    for counters their summed increase over the span of the window's samples (a rate), for
+    gauges the sum of their means; ready pods without data (failed or too few scrapes) are
+    simply not in it.
     """
 
     metric: MetricName

@@ -6,7 +6,8 @@ daemon (`autoscale_daemon.py`) and the simulator (`bench/autoscale_sim.py`) both
 Semantics (each one is pinned by `tests/operator/test_autoscaler.py`):
 
 - **Totals over a per-replica target.** For each metric the load is the *total* over the ready
-  pods (the sum of per-pod window values); the recommendation is
+  pods (a counter's is the pods' increase over the window's span, a gauge's the sum of the
+  per-pod means: `scrape.SampleStore.total`); the recommendation is
   `ceil(total / targetPerReplica)`. Never a per-pod average times a pod count.
 - **Capacity on its way.** The current capacity is spec.replicas (ready pods and pods still
   starting): a shortfall already asked for is not asked for again while its pods start.
@@ -24,8 +25,21 @@ Semantics (each one is pinned by `tests/operator/test_autoscaler.py`):
   the cap only bounds how far one reading can move the replicas in one tick.
 - **Slow down.** A scale-down only follows recommendations that stayed lower for
   `scale_down_delay_s`: the target is the highest recommendation in that window, and one step
-  at most halves the replicas. A fresh state counts the current replicas as a recommendation
-  made now, so a restarted daemon never scales down before a full delay has passed.
+  at most halves the replicas. What the window remembers each tick is the demand's ask: the
+  highest stable-window recommendation of the demand metrics, and their panic-window ask
+  while panicking (the panic ratchet holds replicas, it does not recommend them). A fresh
+  state counts the current replicas as a recommendation made now, so a restarted daemon never
+  scales down before a full delay has passed.
+- **A backlog is not demand.** `requestsWaiting` (`BACKLOG_METRICS`) counts work that has
+  already arrived, not the rate it arrives at. Beside a demand metric (tokens/s, requests
+  running, KV usage) its ask scales up like any other and can start panic mode, but the
+  scale-down delay does not remember it: once the queue is drained, the replicas asked for it
+  go back to what the demand asked for within the delay (after panic ends, at most halving
+  per step) instead of serving an empty queue for the whole delay. On backlog metrics alone
+  the backlog is the only demand signal and is remembered like any metric.
+- **Both windows agree before going down.** A scale-down goes no lower than the panic window
+  asks (ready pods without data in it counted at target): the stable window lags a load that
+  is rising now, and the last seconds' load is never scaled away.
 - **Several metrics: the max.** Each metric gets its own recommendation; the largest wins and
   names the reason.
 - **Clamp.** The result is clamped to [minReplicas, maxReplicas] (immediately, whatever the
@@ -38,6 +52,7 @@ import math
 from dataclasses import dataclass
 
 from kubeinfer.operator.autoscale_types import (
+    BACKLOG_METRICS,
     METRIC_LABELS,
     Decision,
     MetricName,
@@ -111,6 +126,29 @@ def _panic_ask(reading: MetricReading) -> float:
     return reading.panic_total / reading.target_per_replica
 
 
+def _recent_ask(reading: MetricReading, num_ready: int) -> float:
+    """Replicas the panic window's load asks for when judging a scale-down (unrounded): pods
+    without data count as exactly at target, as for every scale-down; no data: no ask."""
+    if reading.num_panic_pods == 0:
+        return 0.0
+    num_missing = max(num_ready - reading.num_panic_pods, 0)
+    return reading.panic_total / reading.target_per_replica + num_missing
+
+
+def _demand_ask(obs: Observation, recs: list[_Recommendation], is_panicking: bool) -> int:
+    """What the scale-down delay remembers from this tick: the demand metrics' asks (the stable
+    window's, and the panic window's while panicking). A backlog metric's ask is left out when
+    a demand metric is configured too; on backlog metrics alone, they are the demand signal."""
+    if not obs.readings:
+        return recs[0].replicas
+    pairs = list(zip(obs.readings, recs, strict=True))
+    demand = [(r, rec) for r, rec in pairs if r.metric not in BACKLOG_METRICS] or pairs
+    asks = [rec.replicas for _, rec in demand]
+    if is_panicking:
+        asks += [_ceil(_panic_ask(r)) for r, _ in demand]
+    return max(asks)
+
+
 def _highest(recs: list[_Recommendation]) -> _Recommendation:
     """The largest recommendation; on a tie, one that names a metric."""
     return max(recs, key=lambda r: (r.replicas, r.metric is not None))
@@ -146,8 +184,9 @@ def decide(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
             rec = _Recommendation(current, f"panic: holding {current} (no scale-down)", rec.metric)
 
     recommended = rec.replicas
-    clamped_rec = min(max(recommended, policy.min_replicas), policy.max_replicas)
-    history = _window(state, now, current, policy.scale_down_delay_s) + ((now, clamped_rec),)
+    demand_ask = _demand_ask(obs, recs, is_panicking)
+    clamped_ask = min(max(demand_ask, policy.min_replicas), policy.max_replicas)
+    history = _window(state, now, current, policy.scale_down_delay_s) + ((now, clamped_ask),)
 
     replicas, reason = current, rec.reason
     if recommended > current:
@@ -156,16 +195,7 @@ def decide(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
         if replicas < recommended:
             reason += f" (step limited to {replicas})"
     elif recommended < current:
-        highest = max(n for _, n in history)
-        floor = math.ceil(current / policy.max_scale_down_rate - _EPS)
-        replicas = min(current, max(highest, floor, recommended))
-        if highest >= current:
-            reason = (
-                f"scale-down to {recommended} delayed: {highest} recommended within the last "
-                f"{policy.scale_down_delay_s:g}s ({rec.reason})"
-            )
-        elif replicas > max(highest, recommended):
-            reason += f" (step limited to {replicas})"
+        replicas, reason = _scale_down(policy, obs, rec, history)
 
     limited_reason = ""
     if recommended > policy.max_replicas:
@@ -186,6 +216,47 @@ def decide(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
         metric=rec.metric,
         state=ScalerState(recommendations=history, panic_until=panic_until),
     )
+
+
+def _scale_down(
+    policy: Policy, obs: Observation, rec: _Recommendation, history: tuple[tuple[float, int], ...]
+) -> tuple[int, str]:
+    """How far down to go when `rec` is below the current replicas, and why: no lower than the
+    highest demand ask within the delay, than half the replicas, than the panic window asks."""
+    current, num_ready, recommended = obs.current_replicas, obs.num_ready, rec.replicas
+    highest = max(n for _, n in history)
+    # Both windows must agree: the load of the last seconds bounds how far down to go, so a
+    # load rising now is not averaged away by the stable window that lags it.
+    recent_reading = max(obs.readings, key=lambda r: _recent_ask(r, num_ready), default=None)
+    recent = 0
+    if recent_reading is not None:
+        recent = min(_ceil(_recent_ask(recent_reading, num_ready)), current)
+    floor = math.ceil(current / policy.max_scale_down_rate - _EPS)
+    replicas = min(current, max(highest, floor, recommended, recent))
+    reason = rec.reason
+    if highest >= current:
+        reason = (
+            f"scale-down to {recommended} delayed: {highest} recommended within the last "
+            f"{policy.scale_down_delay_s:g}s ({rec.reason})"
+        )
+    elif recent >= current and recent_reading is not None:
+        reason = (
+            f"scale-down to {recommended} held: the last {policy.panic_window_s:g}s ask for "
+            f"{recent} ({_describe_recent(recent_reading, num_ready)})"
+        )
+    elif replicas > max(highest, recommended):
+        if replicas == recent and recent > floor:
+            reason += f" (the last {policy.panic_window_s:g}s ask for {recent})"
+        else:
+            reason += f" (step limited to {replicas})"
+    return replicas, reason
+
+
+def _describe_recent(reading: MetricReading, num_ready: int) -> str:
+    """'generation tokens/s 9,500 over target 1,000 per replica', missing pods at target."""
+    num_missing = max(num_ready - reading.num_panic_pods, 0)
+    total = reading.panic_total + num_missing * reading.target_per_replica
+    return describe(reading.metric, total, reading.target_per_replica, "over")
 
 
 def _window(

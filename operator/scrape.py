@@ -8,7 +8,9 @@
 - `SampleStore` keeps each pod's recent samples (a plain object for kopf's `memo`) and reduces
   them to `MetricReading`s: counters become rates over a window (counter resets, i.e. pod
   restarts, count the new value as the increase, as Prometheus does), gauges are averaged. A
-  pod whose latest scrape failed, or with too few samples in a window, has no data in it.
+  pod whose latest scrape failed, or with too few samples in a window, has no data in it. A
+  counter's total over the pods is the pods' increase over the window's span (a pod that
+  joined mid-window adds what it served), a gauge's the sum of the per-pod means.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -112,15 +115,27 @@ async def scrape_pods(
     )
 
 
-def _counter_rate(samples: list[PodSample], source: str) -> float | None:
-    """Increase per second over the samples (a drop means a restart: the new value counts)."""
-    points = [(s.time, s.counters[source]) for s in samples if source in s.counters]
-    if len(points) < 2 or points[-1][0] <= points[0][0]:
-        return None
-    increase = 0.0
-    for (_, before), (_, after) in zip(points, points[1:], strict=False):
-        increase += after - before if after >= before else after
-    return increase / (points[-1][0] - points[0][0])
+@dataclass(slots=True, frozen=True)
+class _Increase:
+    """A counter's increase between the first and the last sample that hold it."""
+
+    value: float
+    start: float
+    end: float
+
+
+def _counter_increase(samples: list[PodSample], sources: tuple[str, ...]) -> _Increase | None:
+    """The sources' summed increase over the samples (a drop means a restart: the new value
+    counts); None when a source has fewer than two samples."""
+    value, start, end = 0.0, float("inf"), float("-inf")
+    for source in sources:
+        points = [(s.time, s.counters[source]) for s in samples if source in s.counters]
+        if len(points) < 2 or points[-1][0] <= points[0][0]:
+            return None
+        for (_, before), (_, after) in zip(points, points[1:], strict=False):
+            value += after - before if after >= before else after
+        start, end = min(start, points[0][0]), max(end, points[-1][0])
+    return _Increase(value, start, end)
 
 
 class SampleStore:
@@ -154,16 +169,22 @@ class SampleStore:
             while q and q[0].time < now - self.retention_s:
                 q.popleft()
 
-    def pod_value(self, pod: str, metric: MetricName, now: float, window_s: float) -> float | None:
-        """The pod's rate (counter) or mean (gauge) over the window; None: no data."""
+    def _recent(self, pod: str, now: float, window_s: float) -> list[PodSample] | None:
+        """The pod's good samples in the window; None when its latest scrape failed."""
         q = self._samples.get(pod)
         if not q or not q[-1].is_ok:
             return None  # the latest scrape failed: stale samples are not today's load
         start = now - window_s - self.grace_s
-        recent = [s for s in q if s.is_ok and start <= s.time <= now]
+        return [s for s in q if s.is_ok and start <= s.time <= now]
+
+    def pod_value(self, pod: str, metric: MetricName, now: float, window_s: float) -> float | None:
+        """The pod's rate (counter) or mean (gauge) over the window; None: no data."""
+        recent = self._recent(pod, now, window_s)
+        if recent is None:
+            return None
         if metric in COUNTER_SOURCES:
-            rates = [_counter_rate(recent, src) for src in COUNTER_SOURCES[metric]]
-            return None if any(r is None for r in rates) else sum(r or 0.0 for r in rates)
+            inc = _counter_increase(recent, COUNTER_SOURCES[metric])
+            return None if inc is None else inc.value / (inc.end - inc.start)
         source = GAUGE_SOURCES[metric]
         values = [s.gauges[source] for s in recent if source in s.gauges]
         return sum(values) / len(values) if values else None
@@ -171,10 +192,30 @@ class SampleStore:
     def total(
         self, pods: Iterable[str], metric: MetricName, now: float, window_s: float
     ) -> tuple[float, int]:
-        """(sum of per-pod values, number of pods with data) over `pods`."""
-        values = [self.pod_value(p, metric, now, window_s) for p in pods]
-        known = [v for v in values if v is not None]
-        return sum(known), len(known)
+        """(total over `pods`, number of pods with data) in the window.
+
+        A gauge's total is the sum of the per-pod means. A counter's total is the model's rate:
+        the pods' summed increase over the time the window's samples span, as Prometheus'
+        `sum(rate(x[w]))` has it. A pod that joined mid-window adds what it served, not its own
+        rate over its few seconds as if it had served the whole window: 16 pods that drained a
+        backlog in the 5 s since they became ready would otherwise read as 16 x their capacity.
+        The span is the samples' (not the window's), so a restarted daemon reads full rates.
+        """
+        pods = list(pods)
+        if metric not in COUNTER_SOURCES:
+            values = [self.pod_value(p, metric, now, window_s) for p in pods]
+            known = [v for v in values if v is not None]
+            return sum(known), len(known)
+        increases = []
+        for pod in pods:
+            recent = self._recent(pod, now, window_s)
+            inc = None if recent is None else _counter_increase(recent, COUNTER_SOURCES[metric])
+            if inc is not None:
+                increases.append(inc)
+        if not increases:
+            return 0.0, 0
+        span = max(i.end for i in increases) - min(i.start for i in increases)
+        return sum(i.value for i in increases) / span, len(increases)
 
     def reading(
         self,

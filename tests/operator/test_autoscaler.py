@@ -327,3 +327,79 @@ def test_an_idle_queue_does_not_block_scale_down() -> None:
     assert d.metric == "generationTokensPerSecond" and "under target" in d.reason, d
     # a small queue that one replica carries does not hold the others either
     assert _once(4, 4, _reading(1000, 4), _waiting(3, 4)).replicas == 2
+
+
+def _both(stable: float, panic: float, num_pods: int, num_panic: int | None = None):
+    n = num_pods if num_panic is None else num_panic
+    return MetricReading("generationTokensPerSecond", TARGET, stable, num_pods, panic, n)
+
+
+@pytest.mark.parametrize(
+    ("reading", "current", "expected", "word"),
+    [
+        (_both(1000, 1000, 4), 4, 2, "under"),  # both windows low: halve
+        (_both(1000, 3500, 4), 4, 4, "held"),  # the last 6 s ask for 4: no scale-down
+        (_both(1000, 2500, 4), 4, 3, "ask for 3"),  # ... for 3: down to 3, not 2
+        (_both(2000, 5500, 8), 8, 6, "ask for 6"),
+        (_both(1000, 1000, 4, num_panic=2), 4, 3, "ask for 3"),  # 2 pods without data at target
+        (_both(1000, 0, 4, num_panic=0), 4, 2, "under"),  # no panic data: no floor from it
+    ],
+)
+def test_scale_down_goes_no_lower_than_the_panic_window_asks(
+    reading: MetricReading, current: int, expected: int, word: str
+) -> None:
+    d = _once(current, current, reading)
+    assert d.replicas == expected and word in d.reason, d
+
+
+def _remembered(d) -> int:
+    return d.state.recommendations[-1][1]
+
+
+@pytest.mark.parametrize(
+    ("readings", "current", "replicas", "remembered"),
+    [
+        # a queue beside tokens/s scales up, but the delay remembers what tokens/s asked
+        ((_reading(4000, 4), _waiting(50, 4)), 4, 8, 4),
+        ((_reading(6000, 4, panic=0), _waiting(50, 4)), 4, 8, 6),
+        # on the queue alone, the queue is the demand and is remembered
+        ((_waiting(50, 4),), 4, 8, 10),
+        # no queue: the recommendation itself
+        ((_reading(6000, 4, panic=0),), 4, 6, 6),
+        # panicking on tokens/s: the panic window's ask is remembered (clamped to max 10)
+        ((_reading(4000, 4, panic=12_000), _waiting(50, 4)), 4, 8, 10),
+    ],
+)
+def test_the_delay_remembers_the_demand_not_the_backlog(
+    readings: tuple[MetricReading, ...], current: int, replicas: int, remembered: int
+) -> None:
+    d = _once(current, current, *readings)
+    assert (d.replicas, _remembered(d)) == (replicas, remembered), d
+
+
+def test_replicas_asked_for_a_drained_backlog_are_not_held_for_the_delay() -> None:
+    """A burst queues 60 requests in front of 2 pods (target 5 each) for 30 s: the queue asks
+    for 12 (10 at most). Once it is drained, tokens/s asks for 3; with the queue beside tokens/s
+    the replicas come down when panic ends, to the highest tokens/s ask within the delay (4, at
+    most halving per step), not after the 300 s delay; scaled on the queue alone they are held
+    for the delay as before."""
+    policy = Policy(min_replicas=1, max_replicas=10)
+
+    def run(with_tokens: bool) -> list[int]:
+        state, current, out = ScalerState(((-1000.0, 2),)), 2, []
+        for now in range(0, 400, 5):
+            queue = 60.0 if now < 30 else 0.0
+            readings = [_waiting(queue, current)]
+            if with_tokens:
+                readings.append(_reading(4000.0 if now < 30 else 2500.0, current))
+            d = decide(policy, Observation(float(now), current, current, tuple(readings)), state)
+            state, current = d.state, d.replicas
+            out.append(current)
+        return out
+
+    both, queue_only = run(True), run(False)
+    assert max(both) == max(queue_only) == 10, (both, queue_only)
+    # panic (12 asked of 4 ready at t=5) lasts one stable window (to t=65)
+    assert set(both[: 60 // 5]) <= {4, 8, 10} and both[60 // 5] == 10, both
+    assert (both[65 // 5], both[70 // 5], both[300 // 5], both[-1]) == (5, 4, 4, 3), both
+    assert queue_only[320 // 5] == 10 and queue_only[-1] < 10, queue_only

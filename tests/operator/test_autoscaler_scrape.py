@@ -140,3 +140,30 @@ def test_scrape_pods_concurrently_with_failures_marked(metrics_server: str) -> N
     assert "HTTP 500" in (broken.error or "")
     assert "Timeout" in (slow.error or "")
     assert refused.error and not refused.counters
+
+
+def _steady(pod: str, rate: float, start: int, end: int) -> list[PodSample]:
+    return [_sample(pod, t, rate * (t - start)) for t in range(start, end + 1, 5)]
+
+
+@pytest.mark.parametrize(
+    ("samples", "expected", "num_pods"),
+    [
+        # two pods at 100 tok/s over the whole window: 200, as the sum of their rates
+        (_steady("a", 100, 0, 60) + _steady("b", 100, 0, 60), 200, 2),
+        # b became ready at 55 and served 1,000 tok/s for 5 s beside a's 1,000 tok/s: the model
+        # served 65,000 tokens in 60 s (1,083/s), not 2,000/s
+        (_steady("a", 1000, 0, 60) + _steady("b", 1000, 55, 60), 65_000 / 60, 2),
+        # a restarted daemon (samples from 50 on) reads the full rate over what it has
+        (_steady("a", 100, 50, 60) + _steady("b", 100, 50, 60), 200, 2),
+        # a pod with one sample has no data (not zero): it is not counted
+        (_steady("a", 100, 0, 60) + [_sample("b", 60, 0)], 100, 1),
+    ],
+)
+def test_a_counter_total_is_what_the_pods_served_over_the_window(
+    samples: list[PodSample], expected: float, num_pods: int
+) -> None:
+    store = SampleStore(retention_s=120, grace_s=1)
+    store.add(samples)
+    total, num = store.total(["a", "b"], "generationTokensPerSecond", now=60, window_s=60)
+    assert (total, num) == (pytest.approx(expected), num_pods)
