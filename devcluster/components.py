@@ -26,8 +26,10 @@ COMPONENTS: tuple[ComponentName, ...] = (
     "node-agent",
 )
 # The API server allocates ClusterIPs from this range; nothing here ever connects to one (no
-# kube-proxy; clients use pod IPs from 127.1.0.0/16).
-SERVICE_CIDR = "10.0.0.0/24"
+# kube-proxy; clients use pod IPs from 127.1.0.0/16). A /16: bench/operator_scale.py makes 500
+# Services, and a /24 (254 addresses) failed the 255th with "range is full" (HTTP 500). The
+# default ServiceCIDR object keeps the range of a cluster's first `up`: `down --purge` renews it.
+SERVICE_CIDR = "10.0.0.0/16"
 HOST = "127.0.0.1"
 
 
