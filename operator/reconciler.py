@@ -10,12 +10,17 @@ call `apply`. Promises:
   (the handler turns them into `kopf.TemporaryError`); a spec the operator cannot serve, or
   one the API server rejects, becomes status Failed with the reason, and nothing is raised.
 - A child that is deleted, or whose applied fields are edited, is re-applied as soon as its
-  watch event arrives (counted in `kubeinfer_operator_drift_repairs`, and an event).
+  watch event arrives (counted in `kubeinfer_operator_drift_repairs`, and an event); drift
+  seen while a repair runs gets another repair after it.
 - Status is recomputed (coalesced per model) on every change of the Deployment or a pod and
   every `pod_probe_interval_s` while pods are not ready (their /ready tells load progress and
   load errors); it is written with server-side apply only when it changed. A change that
   arrives while a write is in flight gets a write of its own after it.
 - Only one apply per model runs at a time.
+- A model's missing Deployment is its first write, and an urgent one; its other children,
+  status writes and events wait until no urgent write has been in flight for a moment
+  (`write_priority.py`), so a burst of new models gets its Deployments first. kopf's own
+  annotation patch follows the create handler, so it comes after them too.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError, parse_spec
 from kubeinfer.operator.status import compute_status, is_same_status, pod_view
+from kubeinfer.operator.write_priority import WritePriority
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,8 @@ class ModelState:
     repair_task: asyncio.Task[None] | None = None
     status_task: asyncio.Task[None] | None = None
     is_status_stale: bool = False  # a change came after the running status task computed
+    has_unchecked_children: bool = False  # child events came before the first apply ended
+    next_repair: str | None = None  # drift seen while a repair ran: the reason of one more
 
 
 class Reconciler:
@@ -84,6 +92,7 @@ class Reconciler:
         self._http: httpx.AsyncClient | None = None
         self._probe_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.priority = WritePriority()
 
     def state(self, key: Key) -> ModelState:
         return self.states.setdefault(key, ModelState())
@@ -134,19 +143,46 @@ class Reconciler:
         st = self.state((ns, name))
         if kind == "Deployment":
             self.request_status((ns, name))
-        if not st.has_applied or st.failure:
-            return  # the create/resume handler has not applied yet, or cannot
+        if not st.has_applied:
+            st.has_unchecked_children = True  # the first apply looks once it is done
+            return
+        if st.failure:
+            return  # the spec cannot be served: there is nothing to repair towards
         wanted = {m["kind"]: m for m in self._render_quietly(model)}
-        if event_type == "DELETED":
+        self._check_child((ns, name), model, wanted, kind, event_type, body)
+
+    def _check_child(
+        self,
+        key: Key,
+        model: Mapping[str, Any],
+        wanted: Mapping[str, Mapping[str, Any]],
+        kind: str,
+        event_type: str | None,
+        body: Mapping[str, Any] | None,
+    ) -> None:
+        """Schedule a repair when child `body` (None: gone) is not what `model` wants."""
+        name = key[1]
+        if event_type == "DELETED" or body is None:
             if kind in wanted:  # not a child the operator removed itself (a PDB at 1 replica)
-                self._schedule_repair((ns, name), f"{kind} {name} was deleted")
+                self._schedule_repair(key, f"{kind} {name} was deleted")
             return
         if kind not in wanted:
-            self._schedule_repair((ns, name), f"{kind} {name} is no longer wanted")
+            self._schedule_repair(key, f"{kind} {name} is no longer wanted")
         elif (where := first_difference(wanted[kind], body)) is not None:
-            self._schedule_repair((ns, name), f"{kind} {name} differs at {where}")
+            self._schedule_repair(key, f"{kind} {name} differs at {where}")
         elif kind == "Deployment" and self._replicas_differ(model, body):
-            self._schedule_repair((ns, name), f"Deployment {name} has other replicas")
+            self._schedule_repair(key, f"Deployment {name} has other replicas")
+
+    def _check_children(self, key: Key) -> None:
+        """Check every wanted child as the watches show it now: during a model's first apply
+        (which waits its turn after the Deployment, `write_priority.py`) `observe_child` only
+        notes that events came, so a child deleted or edited then is repaired from here."""
+        model, st = self.models.get(key), self.states.get(key)
+        if model is None or st is None or st.failure:
+            return
+        wanted = {m["kind"]: m for m in self._render_quietly(model)}
+        for kind in wanted:
+            self._check_child(key, model, wanted, kind, None, self.children.get((kind, *key)))
 
     def observe_pod(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         ns, pod_name = _key(body)
@@ -203,6 +239,9 @@ class Reconciler:
             st.failure, st.has_applied = None, True
             st.observed_generation = int(model["metadata"].get("generation") or 0)
             self.metrics.reconciles.labels("applied").inc()
+        if st.has_unchecked_children:
+            st.has_unchecked_children = False
+            self._check_children(key)
         if changed:
             what = ", ".join(changed)
             if reason:
@@ -215,33 +254,44 @@ class Reconciler:
         self.request_status(key, delay=0)
 
     async def _apply_children(self, model: Mapping[str, Any]) -> list[str]:
-        """Apply what render() asks for; return the children that changed ("Kind name")."""
-        manifests = render(model, self.settings)
+        """Apply what render() asks for; return the children that changed ("Kind name").
+
+        The Deployment goes first, on its own; a missing one is urgent and every other write
+        waits its turn (`write_priority.py`)."""
+        deployment, *others = render(model, self.settings)
         spec = parse_spec(model.get("spec") or {})
         ns, name = _key(model)
+        is_missing = ("Deployment", ns, name) not in self.children
+        turn = self.priority.urgent() if is_missing else self.priority.deferred()
+        async with turn:
+            changed = await self._apply_manifests([deployment])
+        async with self.priority.deferred():
+            changed += await self._apply_manifests(others)
+            # None: deleted while this waited its turn (the check after the apply repairs it)
+            live = self.children.get(("Deployment", ns, name))
+            if spec.autoscaling.enabled and live and live["spec"].get("replicas") != spec.replicas:
+                await self.api.scale_deployment(ns, name, spec.replicas)
+                changed.append(f"Deployment {name} replicas={spec.replicas}")
+            rendered_kinds = {"Deployment"} | {m["kind"] for m in others}
+            for kind in CHILD_KINDS:
+                if kind not in rendered_kinds and (kind, ns, name) in self.children:
+                    if await self.api.delete(kind, ns, name):
+                        changed.append(f"{kind} {name} (deleted)")
+                    self.children.pop((kind, ns, name), None)
+        return changed
+
+    async def _apply_manifests(self, manifests: list[dict[str, Any]]) -> list[str]:
+        """Apply independent objects together; return those that changed ("Kind name")."""
+        keys = [(m["kind"], *_key(m)) for m in manifests]
         befores = [
-            (self.children.get((m["kind"], ns, name)) or {})
-            .get("metadata", {})
-            .get("resourceVersion")
-            for m in manifests
+            (self.children.get(k) or {}).get("metadata", {}).get("resourceVersion") for k in keys
         ]
-        # The children are independent objects: apply them together.
         results = await asyncio.gather(*(self.api.apply(m) for m in manifests))
         changed = []
-        for manifest, before, result in zip(manifests, befores, results, strict=True):
-            self.children[(manifest["kind"], ns, name)] = result
+        for key, before, result in zip(keys, befores, results, strict=True):
+            self.children[key] = result
             if result["metadata"].get("resourceVersion") != before:
-                changed.append(f"{manifest['kind']} {name}")
-        deployment = self.children[("Deployment", ns, name)]
-        if spec.autoscaling.enabled and deployment["spec"].get("replicas") != spec.replicas:
-            await self.api.scale_deployment(ns, name, spec.replicas)
-            changed.append(f"Deployment {name} replicas={spec.replicas}")
-        rendered_kinds = {m["kind"] for m in manifests}
-        for kind in CHILD_KINDS:
-            if kind not in rendered_kinds and (kind, ns, name) in self.children:
-                if await self.api.delete(kind, ns, name):
-                    changed.append(f"{kind} {name} (deleted)")
-                self.children.pop((kind, ns, name), None)
+                changed.append(f"{key[0]} {key[2]}")
         return changed
 
     def _fail(self, model: Mapping[str, Any], st: ModelState, message: str) -> None:
@@ -260,7 +310,8 @@ class Reconciler:
 
         async def post() -> None:
             try:
-                await self.api.create_event(dict(model), event_type, reason, message, COMPONENT)
+                async with self.priority.deferred():
+                    await self.api.create_event(dict(model), event_type, reason, message, COMPONENT)
             except Exception as exc:  # noqa: BLE001 - an event is best effort
                 logger.warning("event %s for %s/%s not posted: %s", reason, *_key(model), exc)
 
@@ -271,6 +322,7 @@ class Reconciler:
     def _schedule_repair(self, key: Key, reason: str) -> None:
         st = self.state(key)
         if st.repair_task is not None and not st.repair_task.done():
+            st.next_repair = reason  # the running repair may have applied before this drift
             return
         st.repair_task = asyncio.create_task(self._repair(key, reason))
 
@@ -279,14 +331,18 @@ class Reconciler:
         while (model := self.models.get(key)) is not None:
             try:
                 await self.apply(model, reason=reason)
-                return
             except TransientApiError as exc:
                 logger.warning("%s/%s: repair failed, retrying in %.0fs: %s", *key, delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+                continue
             except ApiError as exc:  # e.g. 404: the namespace or the model is going away
                 logger.warning("%s/%s: repair given up: %s", *key, exc)
                 return
+            st = self.states.get(key)
+            if st is None or st.next_repair is None:
+                return
+            reason, st.next_repair = st.next_repair, None
 
     # --- status -------------------------------------------------------------------------------
 
@@ -303,9 +359,10 @@ class Reconciler:
     async def _status_soon(self, key: Key, st: ModelState, delay: float) -> None:
         while True:
             await asyncio.sleep(delay)
-            st.is_status_stale = False  # what came so far is in the status computed now
             try:
-                await self.write_status(key)
+                async with self.priority.deferred():
+                    st.is_status_stale = False  # what came so far is in the status computed now
+                    await self.write_status(key)
             except ApiError as exc:  # a 404 too: the model went while the write was on its way
                 logger.warning("%s/%s: status write failed (next change retries): %s", *key, exc)
                 return
