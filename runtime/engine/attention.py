@@ -6,9 +6,13 @@ every layer, as one SDPA call per sequence over exactly its keys:
 
 - a sequence whose new tokens are all of it (a first prefill chunk, no cached context) attends
   over its own new k/v with causal SDPA, never reading the cache;
-- any other (a decode, a later chunk, a prefix-cache hit) reads its blocks from the cache: a
-  view when its blocks are consecutive, else one `index_select` of whole blocks, cut to its
-  length, so no key is padded or masked out and the copy is small enough to stay in cache.
+- decodes (one new token over cached keys) go in groups of up to `DECODE_GROUP` sequences of
+  similar length (sorted by length, so padding stays small): one `index_select` of the group's
+  blocks into a scratch buffer reused by every layer, then one masked SDPA for the group. A
+  decode's attention is a few hundred kFLOP, so one call per decode is mostly per-call cost
+  (at 64 decodes: 7.2 -> 4.0 ms per layer on 2 cores);
+- any other (a later chunk, a prefix-cache hit) reads its blocks from the cache: a view when
+  its blocks are consecutive, else one `index_select` of whole blocks, cut to its length.
 
 A padded batch (every sequence gathered to the longest, then one masked SDPA, as
 `paged_attention_reference` does) costs several times more on CPU: the copy is a fresh
@@ -44,12 +48,66 @@ class _SeqPlan:
     is_causal: bool
 
 
-def plan_sequences(batch: StepBatch, block_size: int, sliding_window: int | None) -> list[_SeqPlan]:
-    """Per-sequence SDPA arguments for the step, computed once and shared by every layer."""
+DECODE_GROUP = 8
+"""Most decodes attended in one SDPA call on CPU (4-16 measure alike on 2 cores)."""
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Decodes attended together: one query each, keys padded to the longest and masked."""
+
+    rows: torch.Tensor
+    """(n,) their token rows in the flat batch."""
+    blocks: torch.Tensor
+    """(n * num_blocks,) their cache blocks, each row padded with block 0 (masked out)."""
+    num_blocks: int
+    mask: torch.Tensor
+    """(n, 1, 1, num_blocks * block_size) True on each row's real keys."""
+
+
+def plan_decode_groups(
+    batch: StepBatch, block_size: int, sliding_window: int | None, group: int = DECODE_GROUP
+) -> tuple[list[_DecodeGroup], set[int]]:
+    """Group the step's plain decodes by length; also the sequence indices they cover."""
+    qsl = batch.query_start_loc
+    seq_lens = batch.seq_lens
+    q_lens = qsl[1:] - qsl[:-1]
+    ok = (q_lens == 1) & (seq_lens > 1)
+    if sliding_window is not None:
+        ok &= seq_lens <= sliding_window
+    idx = np.flatnonzero(ok)
+    if len(idx) < 2:  # nothing to share: the per-sequence path is as good
+        return [], set()
+    idx = idx[np.argsort(seq_lens[idx], kind="stable")]
+    groups = []
+    for g in range(0, len(idx), group):
+        members = idx[g : g + group]
+        lens = seq_lens[members].astype(np.int64)
+        num_blocks = int(-(-lens.max() // block_size))
+        table = np.maximum(batch.block_tables[members, :num_blocks], 0).astype(np.int64)
+        mask = np.arange(num_blocks * block_size)[None, :] < lens[:, None]
+        groups.append(
+            _DecodeGroup(
+                torch.from_numpy(qsl[members].astype(np.int64)),
+                torch.from_numpy(table.reshape(-1)),
+                num_blocks,
+                torch.from_numpy(mask)[:, None, None, :],
+            )
+        )
+    return groups, set(idx.tolist())
+
+
+def plan_sequences(
+    batch: StepBatch, block_size: int, sliding_window: int | None, skip: set[int] | None = None
+) -> list[_SeqPlan]:
+    """Per-sequence SDPA arguments for the step, computed once and shared by every layer
+    (the sequences in `skip` are attended elsewhere)."""
     starts = batch.query_start_loc.tolist()
     seq_lens = batch.seq_lens.tolist()
     plans = []
     for i, seq_len in enumerate(seq_lens):
+        if skip and i in skip:
+            continue
         start, end = starts[i], starts[i + 1]
         q_len = end - start
         blocks: slice | torch.Tensor | None = None
@@ -100,8 +158,15 @@ class PagedAttention:
 
         self.slot_mapping = put(batch.slot_mapping)
         if ops is TORCH_OPS:
-            block_size = kv_caches[0][0].shape[1]
-            self._plans: list[_SeqPlan] | None = plan_sequences(batch, block_size, sliding_window)
+            k_cache = kv_caches[0][0]
+            block_size = k_cache.shape[1]
+            self._groups, grouped = plan_decode_groups(batch, block_size, sliding_window)
+            self._plans: list[_SeqPlan] | None = plan_sequences(
+                batch, block_size, sliding_window, grouped
+            )
+            most = max((g.blocks.numel() for g in self._groups), default=0)
+            # one scratch pair for every layer's gathers (no fresh allocation per layer)
+            self._scratch = [k_cache.new_empty((most, *k_cache.shape[1:])) for _ in range(2)]
             return
         self._plans = None
         self.max_query_len = int(np.diff(batch.query_start_loc).max())
@@ -142,6 +207,20 @@ class PagedAttention:
         out = torch.empty_like(q)  # (T, H, D)
         num_kv_heads, head_dim = k_cache.shape[2:]
         is_gqa = q.shape[1] != num_kv_heads
+        sk, sv = self._scratch
+        for g in self._groups:
+            n, m = g.rows.numel(), g.blocks.numel()
+            ks = torch.index_select(k_cache, 0, g.blocks, out=sk[:m]).view(n, -1, *sk.shape[2:])
+            vs = torch.index_select(v_cache, 0, g.blocks, out=sv[:m]).view(n, -1, *sv.shape[2:])
+            o = F.scaled_dot_product_attention(  # (n, H, 1, D) over (n, Hkv, L, D)
+                q.index_select(0, g.rows)[:, :, None, :],
+                ks.transpose(1, 2),
+                vs.transpose(1, 2),
+                attn_mask=g.mask,
+                scale=self.scale,
+                enable_gqa=is_gqa,
+            )
+            out.index_copy_(0, g.rows, o[:, :, 0, :])
         for p in self._plans:
             if p.blocks is None:
                 ks, vs = k[p.start : p.end], v[p.start : p.end]

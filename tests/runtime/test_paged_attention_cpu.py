@@ -13,17 +13,16 @@ from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import StepBatch
 
 
-@pytest.mark.parametrize("sliding_window", [None, 5])
-def test_per_sequence_cpu_path_matches_reference(sliding_window: int | None) -> None:
+def _check_against_reference(
+    shape: list[tuple[int, int]], sliding_window: int | None, num_blocks: int = 40
+) -> None:
     g = torch.Generator().manual_seed(0)
-    bs, hkv, heads, d, num_blocks = 4, 2, 6, 8, 40
-    # (q_len, seq_len): fresh prefill, decode, chunk with context, 1-token fresh, long decode
-    shape = [(7, 7), (1, 9), (5, 13), (1, 1), (1, 22)]
+    bs, hkv, heads, d = 4, 2, 6, 8
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, slots, used = [], [], 0
     for i, (_, seq_len) in enumerate(shape):
         n = -(-seq_len // bs)
-        row = list(range(30, 30 + n)) if i == 2 else perm[used : used + n]  # i=2: consecutive
+        row = list(range(num_blocks - n, num_blocks)) if i == 2 else perm[used : used + n]
         used += n
         tables.append(row)
     width = max(map(len, tables))
@@ -63,3 +62,56 @@ def test_per_sequence_cpu_path_matches_reference(sliding_window: int | None) -> 
         sliding_window=sliding_window,
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_per_sequence_cpu_path_matches_reference(sliding_window: int | None) -> None:
+    # (q_len, seq_len): fresh prefill, decode, chunk with context (consecutive blocks),
+    # 1-token fresh, long decode
+    _check_against_reference([(7, 7), (1, 9), (5, 13), (1, 1), (1, 22)], sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_grouped_decodes_match_reference(sliding_window: int | None) -> None:
+    # 19 decodes of mixed lengths (more than two groups, unsorted, one of a single block)
+    # between a fresh prefill and a chunk: each group pads to its longest and masks the rest
+    rng = np.random.default_rng(1)
+    decodes = [(1, int(n)) for n in rng.integers(2, 30, size=18)] + [(1, 3)]
+    shape = [(6, 6), (4, 10), *decodes]
+    _check_against_reference(shape, sliding_window, num_blocks=200)
+
+
+def test_decode_groups_sorted_by_length_and_capped() -> None:
+    from kubeinfer.runtime.engine.attention import DECODE_GROUP, plan_decode_groups
+
+    lens = [40, 3, 17, 9, 2, 33, 25, 11, 5, 29, 8]
+    bs = 4
+    width = -(-max(lens) // bs)
+    table = np.arange(len(lens) * width, dtype=np.int32).reshape(len(lens), width)
+    batch = StepBatch(
+        np.zeros(len(lens), dtype=np.int64),
+        np.zeros(len(lens), dtype=np.int64),
+        np.zeros(len(lens), dtype=np.int64),
+        table,
+        np.array(lens, dtype=np.int32),
+        np.arange(len(lens) + 1, dtype=np.int32),
+        [],
+        [],
+    )
+    groups, covered = plan_decode_groups(batch, bs, None)
+    assert covered == set(range(len(lens)))
+    assert [g.rows.numel() for g in groups] == [DECODE_GROUP, len(lens) - DECODE_GROUP]
+    order = [lens[int(r)] for g in groups for r in g.rows]
+    assert order == sorted(lens)
+    assert groups[0].num_blocks == -(-sorted(lens)[DECODE_GROUP - 1] // bs)
+    # a lone decode, or none, is left to the per-sequence path
+    one = StepBatch(
+        *(
+            getattr(batch, f)[:1]
+            for f in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
+        ),
+        np.arange(2, dtype=np.int32),
+        [],
+        [],
+    )
+    assert plan_decode_groups(one, bs, None) == ([], set())
