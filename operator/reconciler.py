@@ -15,7 +15,8 @@ call `apply`. Promises:
 - Status is recomputed (coalesced per model) on every change of the Deployment or a pod and
   every `pod_probe_interval_s` while pods are not ready (their /ready tells load progress and
   load errors); it is written with server-side apply only when it changed. A change that
-  arrives while a write is in flight gets a write of its own after it.
+  arrives while a write is in flight gets a write of its own after it, and one computed
+  while an apply runs waits for it (observedGeneration never lags what the status shows).
 - Only one apply per model runs at a time.
 - A model's missing Deployment is its first write, and an urgent one; its other children,
   status writes and events wait until no urgent write has been in flight for a moment
@@ -359,6 +360,10 @@ class Reconciler:
     async def _status_soon(self, key: Key, st: ModelState, delay: float) -> None:
         while True:
             await asyncio.sleep(delay)
+            # an apply in progress has not yet set observed_generation for what it applies:
+            # a status computed now would pair the new Deployment with the old generation
+            async with st.lock:
+                pass
             try:
                 async with self.priority.deferred():
                     st.is_status_stale = False  # what came so far is in the status computed now

@@ -300,3 +300,44 @@ def test_a_change_seen_while_a_status_write_is_in_flight_is_written_after_it() -
         await r.close()
 
     asyncio.run(run())
+
+
+def test_no_status_is_written_for_the_old_generation_while_a_spec_change_is_applied() -> None:
+    """CI: after a maxNumSeqs change the model read Ready, updatedReplicas 1, with the old
+    observedGeneration: the new pod's events were written in status while the apply still
+    waited on its Service, with the generation of the apply before. A status computed during
+    an apply now waits for it, so observedGeneration never lags the Deployment it describes."""
+
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        await settle()
+        gate = asyncio.Event()
+        applied = api.apply
+
+        async def gated_apply(manifest: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            if manifest["kind"] == "Service":
+                await gate.wait()
+            return await applied(manifest, **kw)
+
+        api.apply = gated_apply  # type: ignore[method-assign]
+        changed = make_model({"model": {"uri": "pvc://weights"}, "runtime": {"maxNumSeqs": 8}})
+        changed["metadata"]["generation"] = 2
+        r.observe_model("MODIFIED", changed)
+        task = asyncio.create_task(r.apply(changed))
+        await settle()  # the new Deployment is applied; the Service waits
+        dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
+        before = len(api.statuses)
+        r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 1}})
+        await settle()
+        assert len(api.statuses) == before  # nothing written for generation 1 meanwhile
+        gate.set()
+        await task
+        await settle()
+        assert len(api.statuses) > before
+        assert all(s["observedGeneration"] == 2 for s in api.statuses[before:])
+        await r.close()
+
+    asyncio.run(run())
