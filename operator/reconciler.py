@@ -60,6 +60,10 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _generation(obj: Mapping[str, Any]) -> int:
+    return int((obj.get("metadata") or {}).get("generation") or 0)
+
+
 def _key(obj: Mapping[str, Any]) -> Key:
     meta = obj["metadata"]
     return meta["namespace"], meta["name"]
@@ -224,7 +228,9 @@ class Reconciler:
         self.models.setdefault(key, dict(model))
         st = self.state(key)
         async with st.lock:
-            model = self.models.get(key, model)  # the freshest copy the watch has
+            cached = self.models.get(key)  # the freshest copy the watch has, unless older
+            if cached is not None and _generation(cached) >= _generation(model):
+                model = cached
             started = time.monotonic()
             try:
                 changed = await self._apply_children(model)
@@ -407,8 +413,11 @@ class Reconciler:
             return
         result = await self.api.apply_model_status(*key, status)
         self.metrics.status_writes.inc()
-        if key in self.models:
-            self.models[key] = result
+        cached = self.models.get(key)
+        if cached is not None:  # the reply is the model as it was when the write was sent:
+            # a newer spec the watch delivered meanwhile stays, with the status just written
+            newer = _generation(result) >= _generation(cached)
+            self.models[key] = result if newer else {**cached, "status": result.get("status")}
         if current.get("phase") != status["phase"]:
             kind = "Warning" if status["phase"] in ("Failed", "Degraded") else "Normal"
             self.event(model, kind, status["phase"], status["conditions"][0]["message"])

@@ -341,3 +341,43 @@ def test_no_status_is_written_for_the_old_generation_while_a_spec_change_is_appl
         await r.close()
 
     asyncio.run(run())
+
+
+def test_a_status_write_answered_with_the_old_generation_does_not_undo_a_newer_model() -> None:
+    """CI again, after the test above: observedGeneration still lagged. A status write sent
+    before the spec change came back with the model as it was then (generation 1); caching
+    that reply replaced the generation-2 copy the watch had delivered meanwhile, and the update
+    handler's apply then worked from the stale copy."""
+
+    async def run() -> None:
+        r, api = reconciler()
+        model = make_model()
+        r.observe_model("ADDED", model)
+        await r.apply(model)
+        await settle()
+        release = asyncio.Event()
+        written = api.apply_model_status
+
+        async def slow_write(ns: str, name: str, status: dict[str, Any]) -> dict:
+            await release.wait()
+            return await written(ns, name, status)  # the reply: generation 1, as when sent
+
+        api.apply_model_status = slow_write  # type: ignore[method-assign]
+        dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
+        r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 1}})
+        await settle()  # that write is on its way
+        changed = make_model({"model": {"uri": "pvc://weights"}, "runtime": {"maxNumSeqs": 8}})
+        changed["metadata"]["generation"] = 2
+        r.observe_model("MODIFIED", changed)
+        release.set()
+        await settle()
+        api.apply_model_status = written  # type: ignore[method-assign]
+        await r.apply(changed)
+        await settle()
+        args = api.objects[("Deployment", "models", "smollm2")]["spec"]["template"]["spec"]
+        args = args["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "8"
+        assert api.statuses[-1]["observedGeneration"] == 2
+        await r.close()
+
+    asyncio.run(run())
