@@ -78,6 +78,19 @@ async def settle() -> None:
         await asyncio.sleep(0.05)
 
 
+def hold_status_writes(api: FakeApi) -> asyncio.Event:
+    """Status writes wait on the API until the returned event is set."""
+    release = asyncio.Event()
+    written = api.apply_model_status
+
+    async def slow_write(ns: str, name: str, status: dict[str, Any]) -> dict:
+        await release.wait()
+        return await written(ns, name, status)
+
+    api.apply_model_status = slow_write  # type: ignore[method-assign]
+    return release
+
+
 def test_apply_then_drift_repairs() -> None:
     async def run() -> None:
         r, api = reconciler()
@@ -282,14 +295,7 @@ def test_a_change_seen_while_a_status_write_is_in_flight_is_written_after_it() -
         r.observe_model("ADDED", model)
         await r.apply(model)
         await settle()
-        release = asyncio.Event()
-        written = api.apply_model_status
-
-        async def slow_write(ns: str, name: str, status: dict[str, Any]) -> dict:
-            await release.wait()
-            return await written(ns, name, status)
-
-        api.apply_model_status = slow_write  # type: ignore[method-assign]
+        release = hold_status_writes(api)
         dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
         r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 0}})
         await settle()  # that write is now waiting on the API
@@ -355,14 +361,8 @@ def test_a_status_write_answered_with_the_old_generation_does_not_undo_a_newer_m
         r.observe_model("ADDED", model)
         await r.apply(model)
         await settle()
-        release = asyncio.Event()
         written = api.apply_model_status
-
-        async def slow_write(ns: str, name: str, status: dict[str, Any]) -> dict:
-            await release.wait()
-            return await written(ns, name, status)  # the reply: generation 1, as when sent
-
-        api.apply_model_status = slow_write  # type: ignore[method-assign]
+        release = hold_status_writes(api)  # replies: generation 1, as when sent
         dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
         r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 1}})
         await settle()  # that write is on its way
