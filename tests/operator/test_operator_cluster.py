@@ -248,8 +248,17 @@ def test_spec_change_rolls_out_new_pods(cluster: Cluster) -> None:
         return bool(pods) and all(a[a.index("--max-num-seqs") + 1] == "8" for a in args)
 
     wait_for(rolled, timeout_s=60, what="pods with --max-num-seqs 8")
+    # the status of the generation before also reads Ready 1/1/1: until the operator's write
+    # for this one lands (just after the rollout starts), only observedGeneration tells them
+    # apart, so wait for it first (CI once read the old status here: 3 == 4)
+    wait_for(
+        lambda: (cluster.model().get("status") or {}).get("observedGeneration") == generation,
+        timeout_s=10,
+        what=f"status for generation {generation}",
+    )
     status = cluster.wait_phase("smollm2", "Ready", READY_TIMEOUT_S, readyReplicas=1,
-                                updatedReplicas=1, replicas=1)  # fmt: skip
+                                updatedReplicas=1, replicas=1,
+                                observedGeneration=generation)  # fmt: skip
     assert status["observedGeneration"] == generation
     # the old pod may still be draining (SIGTERM, its grace period): wait until it is gone
     wait_for(
