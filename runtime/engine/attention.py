@@ -2,7 +2,7 @@
 
 Every layer stores the step's new k/v by slot, then attends. With the Triton kernels the whole
 step is one varlen launch. With the torch references (CPU) the step is planned once, shared by
-every layer, as one SDPA call per sequence over exactly its keys:
+every layer, as SDPA calls over each sequence's own keys (decodes in groups):
 
 - a sequence whose new tokens are all of it (a first prefill chunk, no cached context) attends
   over its own new k/v with causal SDPA, never reading the cache;
@@ -14,10 +14,11 @@ every layer, as one SDPA call per sequence over exactly its keys:
 - any other (a later chunk, a prefix-cache hit) reads its blocks from the cache: a view when
   its blocks are consecutive, else one `index_select` of whole blocks, cut to its length.
 
-A padded batch (every sequence gathered to the longest, then one masked SDPA, as
-`paged_attention_reference` does) costs several times more on CPU: the copy is a fresh
+A padded batch of the whole step (every sequence gathered to the longest, then one masked
+SDPA, as `paged_attention_reference` does) costs several times more on CPU: the copy is a fresh
 allocation of S * max_len rows per layer, paid in page faults and memory traffic, and the
-padding is computed and thrown away. Both compute softmax(q k^T * scale + mask) v over the same
+padding is computed and thrown away. Decode groups pad only among similar lengths, into one
+buffer reused by every layer. Both compute softmax(q k^T * scale + mask) v over the same
 keys; tests/runtime/test_paged_attention_cpu.py checks this path against the reference.
 """
 

@@ -1,4 +1,4 @@
-"""The engine's CPU attention (one SDPA per sequence over exactly its keys) matches
+"""The engine's CPU attention (SDPA over each sequence's own keys, decodes in groups) matches
 `paged_attention_reference` on mixed steps: fresh prefills, decodes, chunks with context,
 scattered and consecutive blocks, grouped-query heads, a sliding window."""
 
