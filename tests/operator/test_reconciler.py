@@ -78,6 +78,16 @@ async def settle() -> None:
         await asyncio.sleep(0.05)
 
 
+async def applied_reconciler() -> tuple[Reconciler, FakeApi]:
+    """A reconciler that has applied the default model, its writes settled."""
+    r, api = reconciler()
+    model = make_model()
+    r.observe_model("ADDED", model)
+    await r.apply(model)
+    await settle()
+    return r, api
+
+
 def hold_status_writes(api: FakeApi) -> asyncio.Event:
     """Status writes wait on the API until the returned event is set."""
     release = asyncio.Event()
@@ -191,11 +201,7 @@ def test_drift_seen_while_a_repair_runs_gets_a_repair_after_it() -> None:
     repair was dropped because one was running, and the args stayed edited."""
 
     async def run() -> None:
-        r, api = reconciler()
-        model = make_model()
-        r.observe_model("ADDED", model)
-        await r.apply(model)
-        await settle()
+        r, api = await applied_reconciler()
         key = ("Deployment", "models", "smollm2")
         r.observe_child("DELETED", api.objects.pop(key))
         await asyncio.sleep(0.01)  # the repair has recreated the Deployment, the rest waits
@@ -290,11 +296,7 @@ def test_a_change_seen_while_a_status_write_is_in_flight_is_written_after_it() -
     and a request made then was dropped instead of followed by another write."""
 
     async def run() -> None:
-        r, api = reconciler()
-        model = make_model()
-        r.observe_model("ADDED", model)
-        await r.apply(model)
-        await settle()
+        r, api = await applied_reconciler()
         release = hold_status_writes(api)
         dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
         r.observe_child("MODIFIED", dep | {"status": {"replicas": 1, "readyReplicas": 0}})
@@ -315,11 +317,7 @@ def test_no_status_is_written_for_the_old_generation_while_a_spec_change_is_appl
     an apply now waits for it, so observedGeneration never lags the Deployment it describes."""
 
     async def run() -> None:
-        r, api = reconciler()
-        model = make_model()
-        r.observe_model("ADDED", model)
-        await r.apply(model)
-        await settle()
+        r, api = await applied_reconciler()
         gate = asyncio.Event()
         applied = api.apply
 
@@ -356,11 +354,7 @@ def test_a_status_write_answered_with_the_old_generation_does_not_undo_a_newer_m
     handler's apply then worked from the stale copy."""
 
     async def run() -> None:
-        r, api = reconciler()
-        model = make_model()
-        r.observe_model("ADDED", model)
-        await r.apply(model)
-        await settle()
+        r, api = await applied_reconciler()
         written = api.apply_model_status
         release = hold_status_writes(api)  # replies: generation 1, as when sent
         dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
