@@ -1,10 +1,16 @@
 """AsyncEngine: the engine's step loop on a background thread, streams for asyncio callers.
 
 `async for out in engine.generate(prompt, params)` yields a RequestOutput per new token (the
-delta in `outputs[0].new_token_ids` / `.new_text`); leaving the loop early (a client that
-disconnects) aborts the request and frees its KV blocks. The model runs on the engine thread,
+delta in `outputs[0].new_token_ids` / `.new_text`); the request is queued when `generate`
+returns, and leaving its stream early (a client that disconnects, queued or running) aborts it
+and frees its KV blocks. The model runs on the engine thread,
 so the event loop never waits on a forward pass: requests and aborts reach the engine through
 thread-safe queues, and outputs come back with `call_soon_threadsafe`.
+
+A request the engine fails alone (finish_reason "error") ends its stream with
+`RequestFailedError`; the engine and every other stream go on. `EngineDeadError` means the
+engine loop itself stopped. For the server's admission control and liveness, `num_queued`,
+`num_queued_tokens` and `seconds_since_progress` are plain reads, safe from any thread.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubeinfer.runtime.engine.engine import Engine
-from kubeinfer.runtime.engine.outputs import RequestOutput
+from kubeinfer.runtime.engine.isolation import failure_message
+from kubeinfer.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
 
@@ -27,6 +35,15 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (its message is `RequestOutput.error`); the engine
+    goes on. The server answers 500, or ends a stream with an error event."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        super().__init__(output.error or "request failed in the engine")
+        self.output = output
 
 
 @dataclass(slots=True)
@@ -48,8 +65,13 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
+        # each counter has one writer thread, so no read-modify-write ever races
+        self._num_submitted = self._num_submitted_tokens = 0  # event loop thread
+        self._num_drained = self._num_drained_tokens = 0  # engine thread
+        self._last_progress = time.monotonic()  # engine thread: its last sign of life
 
     def start(self) -> None:
+        self._last_progress = time.monotonic()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -66,36 +88,60 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted and never scheduled yet: not yet handed to the engine thread, or
+        in the scheduler's queue without having run. A preempted request, having run, is not
+        counted. O(1); may be off by one for an instant while a request is handed over."""
+        drained = self._num_drained  # read before submitted, so that the difference is >= 0
+        return self._num_submitted - drained + self.engine.scheduler.num_queued
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """The prompt tokens of the `num_queued` requests."""
+        drained = self._num_drained_tokens
+        return self._num_submitted_tokens - drained + self.engine.scheduler.num_queued_tokens
+
+    @property
+    def seconds_since_progress(self) -> float:
+        """0.0 when there is no pending work; else seconds since the engine thread last
+        finished a step or looked for work (it looks at least every 0.5 s while idle). Large
+        while work is pending: the loop is stuck (a hung kernel, a deadlock)."""
+        drained = self._num_drained
+        if self._num_submitted == drained and not self.engine.has_unfinished:
+            return 0.0
+        return max(time.monotonic() - self._last_progress, 0.0)
+
     def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError naming the problem), then stream the request's outputs.
-
-        The request enters the engine when the stream is first iterated."""
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validate now (InvalidRequestError, a ValueError naming the field), queue the request
+        and return its stream; RequestFailedError if the engine fails it. Requests share cached
+        prefixes only with equal `cache_salt`s. Call it from the event loop that reads the
+        stream."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error}")
-        request = self.engine.make_request(prompt, params, request_id or uuid.uuid4().hex)
-        return self._stream(request)
+        request = self.engine.make_request(
+            prompt, params, request_id or uuid.uuid4().hex, cache_salt
+        )
+        return self.submit(request)
 
-    async def _stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request made by `engine.make_request` now, so that it counts in `num_queued`
+        at once (admission control reads it before the stream is first read)."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
+        self._num_submitted_tokens += len(request.prompt_token_ids)
+        self._num_submitted += 1
         self._adds.put(request)
         self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"engine stopped: {item}") from item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+        return RequestStream(self, request.request_id, stream.queue)
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -106,6 +152,7 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 self._drain_queues()
+                self._last_progress = time.monotonic()
                 if not self.engine.has_unfinished:
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -124,28 +171,107 @@ class AsyncEngine:
                 request = self._adds.get_nowait()
             except queue.Empty:
                 break
-            if request.request_id in self._streams:  # not aborted before it got here
+            self._num_drained_tokens += len(request.prompt_token_ids)
+            self._num_drained += 1
+            if request.request_id not in self._streams:  # aborted before it got here
+                continue
+            try:
                 self.engine.add(request)
+            except Exception as e:  # noqa: BLE001 - e.g. a request id already in use
+                self._deliver(_failed_output(request, e))
         while True:
             try:
                 request_id = self._aborts.get_nowait()
             except queue.Empty:
                 break
             out = self.engine.abort(request_id)
-            if out is not None and self._on_finished is not None:
-                self._on_finished(out)
+            if out is not None:
+                self._notify_finished(out)
 
     def _deliver(self, out: RequestOutput) -> None:
-        if out.finished and self._on_finished is not None:
-            self._on_finished(out)
-        stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
         if out.finished:
-            del self._streams[out.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            self._notify_finished(out)
+            # pop, not get-then-del: abort() may pop the same id on the event loop meanwhile
+            stream = self._streams.pop(out.request_id, None)
+        else:
+            stream = self._streams.get(out.request_id)
+        if stream is not None:
+            self._send(out.request_id, stream, out)
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            self._send(request_id, stream, error)
+
+    def _notify_finished(self, out: RequestOutput) -> None:
+        if self._on_finished is None:
+            return
+        try:
+            self._on_finished(out)
+        except Exception:  # a metrics callback must not stop the engine
+            logger.exception("on_finished callback failed for request %s", out.request_id)
+
+    def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            logger.warning("request %s: its event loop is closed; aborting it", request_id)
+            self.abort(request_id)
+
+
+class RequestStream:
+    """One request's outputs for `async for`. Leaving before the last output (a `break`, an
+    exception, a cancelled reader, or dropping the stream unread) aborts the request, so a
+    client that goes away never leaves work behind, queued or running."""
+
+    __slots__ = ("_engine", "_queue", "_done", "request_id")
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
+    ) -> None:
+        self._engine, self.request_id, self._queue, self._done = engine, request_id, q, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: its reader is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise EngineDeadError(f"engine stopped: {item}") from item
+        if item.finished:
+            self._done = True
+            if item.outputs[0].finish_reason == "error":
+                raise RequestFailedError(item)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _failed_output(request: Request, error: Exception) -> RequestOutput:
+    """The final output of a request that could not even enter the engine."""
+    completion = CompletionOutput(0, "", [], finish_reason="error")
+    return RequestOutput(
+        request.request_id,
+        request.prompt,
+        request.prompt_token_ids,
+        [completion],
+        finished=True,
+        error=failure_message(error),
+    )

@@ -28,5 +28,8 @@ class EngineConfig(BaseModel):
     """Reuse the KV blocks of shared prompt prefixes across requests."""
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
+    max_consecutive_step_failures: int = Field(3, ge=1)
+    """Solo steps in a row that may fail (each failing its request) before the engine stops:
+    past that, the fault is taken to be the device's, not a request's."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
     """Attention/norm kernels: Triton on CUDA when auto, the torch references elsewhere."""

@@ -3,6 +3,11 @@
 The engine knows tokens; text comes in and goes out through the tokenizer and an incremental
 detokenizer per request, with stop strings applied to the text (never emitted, and held back
 while a stream could still be inside one).
+
+Requests are validated on the way in (validation.py: `InvalidRequestError` naming the field).
+A request that fails anyway, in a step or in its post-processing, finishes alone with
+finish_reason "error"; the others go on (isolation.py). `step()` raises only for a fault that
+is not a request's.
 """
 
 from __future__ import annotations
@@ -16,12 +21,18 @@ from pathlib import Path
 import torch
 
 from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.isolation import StepFailures, failure_message
 from kubeinfer.runtime.engine.kv_cache import KVCacheManager
 from kubeinfer.runtime.engine.model_runner import ModelRunner
+from kubeinfer.runtime.engine.output_text import OutputText
 from kubeinfer.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kubeinfer.runtime.engine.request import Request
+from kubeinfer.runtime.engine.sampler import SamplingRow
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
+from kubeinfer.runtime.engine.sched_output import SchedulerOutput
 from kubeinfer.runtime.engine.scheduler import Scheduler
+from kubeinfer.runtime.engine.validation import check_fits, check_params, prompt_ids
+from kubeinfer.runtime.errors import InvalidRequestError
 from kubeinfer.runtime.loader import ProgressCallback
 from kubeinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -39,15 +50,6 @@ class EngineStats:
     num_steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
-
-
-@dataclass(slots=True)
-class _Text:
-    """A request's output text: detokenized so far, and how much of it has been emitted."""
-
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
-    num_emitted: int = 0
 
 
 class Engine:
@@ -77,9 +79,12 @@ class Engine:
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.eos_token_ids = eos or frozenset(self.runner.model.config.eos_token_ids)
+        self.failures = StepFailures(
+            self.scheduler, self.runner, self.config.max_consecutive_step_failures
+        )
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
-        self._texts: dict[str, _Text] = {}
+        self._texts: dict[str, OutputText] = {}
         self._ids = itertools.count()
 
     # requests in
@@ -89,29 +94,40 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; ValueError (naming the problem) if it can never be served."""
-        return self.add(self.make_request(prompt, params, request_id))
+        """Queue a request; InvalidRequestError (naming the field) if it can never be served."""
+        return self.add(self.make_request(prompt, params, request_id, cache_salt))
 
     def make_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Tokenize and validate, without touching engine state (safe from another thread)."""
+        """Tokenize and validate, without touching engine state (safe from another thread).
+
+        Requests share cached prefix blocks only when their `cache_salt`s are equal (e.g. one
+        salt per tenant, so that no tenant can probe another's prompts by timing)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_text, prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(prompt_ids, params)
-        return Request(request_id, prompt_ids, params, self.eos_token_ids, prompt=prompt_text)
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        vocab = self.runner.vocab_size
+        text, ids = prompt_ids(prompt, self.tokenizer, vocab)
+        check_params(params, vocab)
+        check_fits(
+            len(ids), params, self.max_model_len, self.kv_cache.num_blocks, self.kv_cache.block_size
+        )
+        return Request(
+            request_id, ids, params, self.eos_token_ids, prompt=text, cache_salt=cache_salt
+        )
 
     def add(self, request: Request) -> str:
         """Queue a request made by `make_request`."""
         if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = request
         detok = (
             IncrementalDetokenizer(
@@ -122,7 +138,7 @@ class Engine:
             if self.tokenizer
             else None
         )
-        self._texts[request.request_id] = _Text(detok)
+        self._texts[request.request_id] = OutputText(detok, request.sampling_params.stop)
         self.scheduler.add(request)
         return request.request_id
 
@@ -141,75 +157,80 @@ class Engine:
     # one step
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; this step's outputs. A request that fails finishes with
+        "error" and the others go on; only a fault that is not a request's raises."""
         sched = self.scheduler.schedule()
-        self.stats.num_running = len(self.scheduler.running)
-        self.stats.num_waiting = len(self.scheduler.waiting)
+        self._update_gauges()
+        rows, outputs = self._prepare(sched)
         if sched.is_empty:
-            return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if s.request.times.first_scheduled is None:
-                s.request.times.first_scheduled = now
-        tokens = self.runner.execute(sched, self.kv_cache.block_ids)
+            return outputs
+        try:
+            tokens = self.runner.execute(sched, self.kv_cache.block_ids, rows)
+        except Exception as e:  # noqa: BLE001 - isolated below; re-raised if not a request's
+            outputs += [self._fail(r, e) for r in self.failures.on_failure(sched, e)]
+            self._update_gauges()
+            return outputs
+        self.failures.on_success()
         self.stats.num_steps += 1
         self.stats.num_chunked_prefill_steps += bool(sched.num_chunked_prefills)
         now = time.monotonic()
-        outputs = []
         for s, token in zip(sched.scheduled, tokens, strict=True):
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             if token is None:
                 continue
-            if request.num_output_tokens == 0:
-                self.stats.num_prompt_tokens += len(request.prompt_token_ids)
-            self._record_token(request, token, now)
-            reason = self._token_stop(request, token)
-            new_text, text_reason = self._update_text(request, token, finished=reason is not None)
-            reason = reason or text_reason
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                outputs.append(self._finish(request, [token], new_text))
-            else:
-                outputs.append(self._output(request, [token], new_text, finished=False))
-        self.stats.num_running = len(self.scheduler.running)
-        self.stats.num_waiting = len(self.scheduler.waiting)
+            self.scheduler.clear_suspect(request)
+            try:
+                outputs.append(self._emit(request, token, now))
+            except Exception as e:  # noqa: BLE001 - detokenizing etc.: this request's alone
+                outputs.append(self._fail(request, e))
+        self._update_gauges()
         return outputs
 
     # internals
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give the prompt as token ids")
-            ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids, text = list(prompt), None
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.runner.model.config.vocab_size
-        if bad := [t for t in ids if not 0 <= t < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        return text, ids
+    def _prepare(
+        self, sched: SchedulerOutput
+    ) -> tuple[list[SamplingRow | None], list[RequestOutput]]:
+        """The runner's per-request preparation; the requests it cannot prepare fail alone and
+        leave the step (with any that depend on their blocks: see `drop_from_step`)."""
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.times.first_scheduled is None:
+                s.request.times.first_scheduled = now
+        rows, failures = self.runner.prepare(sched)
+        if not failures:
+            return rows, []
+        failed = [(sched.scheduled[i].request, e) for i, e in sorted(failures.items())]
+        row_of = {id(s.request): row for s, row in zip(sched.scheduled, rows, strict=True)}
+        preempted = self.scheduler.drop_from_step(sched, set(failures))
+        self.runner.roll_back([], [r.request_id for r in preempted])
+        outputs = [self._fail(request, error) for request, error in failed]
+        return [row_of[id(s.request)] for s in sched.scheduled], outputs
 
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        needed = min(n + params.max_tokens, self.max_model_len)
-        capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
-        if needed > capacity:
-            raise ValueError(
-                f"prompt plus max_tokens needs {needed} tokens of KV cache; the pool holds "
-                f"{capacity} ({self.kv_cache.num_blocks} blocks)"
-            )
+    def _emit(self, request: Request, token: int, now: float) -> RequestOutput:
+        """Record a sampled token, apply the stop rules, and make its output."""
+        if request.num_output_tokens == 0:
+            self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+        self._record_token(request, token, now)
+        reason = self._token_stop(request, token)
+        new_text, stop = self._texts[request.request_id].push(token, finished=reason is not None)
+        if stop is not None:
+            request.stop_reason, reason = stop, reason or "stop"
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            return self._finish(request, [token], new_text)
+        return self._output(request, [token], new_text, finished=False)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        message = failure_message(error)
+        logger.warning("request %s: %s", request.request_id, message)
+        self.scheduler.finish(request, "error")
+        return self._finish(request, [], error=message)
+
+    def _update_gauges(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = self.scheduler.num_waiting
 
     def _record_token(self, request: Request, token: int, now: float) -> None:
         request.output_token_ids.append(token)
@@ -235,35 +256,13 @@ class Engine:
             return "length"
         return None
 
-    def _update_text(self, request: Request, token: int, finished: bool) -> tuple[str, str | None]:
-        """Detokenize the new token; apply stop strings. Returns (text to emit, stop reason)."""
-        state = self._texts[request.request_id]
-        if state.detokenizer is None:
-            return "", None
-        start = len(state.text)
-        state.text += state.detokenizer.push([token])
-        if finished:
-            state.text += state.detokenizer.flush()
-        reason = None
-        stops = request.sampling_params.stop
-        if stops:
-            longest = max(map(len, stops))
-            window_start = max(start - longest + 1, 0)
-            hits = [(i, s) for s in stops if (i := state.text.find(s, window_start)) >= 0]
-            if hits:
-                index, stop = min(hits)
-                state.text = state.text[:index]
-                request.stop_reason = stop
-                reason, finished = "stop", True
-        # while a stream could be in the middle of a stop string, hold its start back
-        holdback = 0 if finished or not stops else max(map(len, stops)) - 1
-        limit = max(len(state.text) - holdback, state.num_emitted)
-        new_text = state.text[state.num_emitted : limit]
-        state.num_emitted = limit
-        return new_text, reason
-
     def _output(
-        self, request: Request, new_ids: list[int], new_text: str, finished: bool
+        self,
+        request: Request,
+        new_ids: list[int],
+        new_text: str,
+        finished: bool,
+        error: str | None = None,
     ) -> RequestOutput:
         text = self._texts[request.request_id].text
         completion = CompletionOutput(
@@ -282,16 +281,19 @@ class Engine:
             [completion],
             finished,
             metrics=_metrics(request) if finished else None,
+            error=error,
         )
 
-    def _finish(self, request: Request, new_ids: list[int], new_text: str = "") -> RequestOutput:
+    def _finish(
+        self, request: Request, new_ids: list[int], new_text: str = "", error: str | None = None
+    ) -> RequestOutput:
         request.times.finished = time.monotonic()
         reason = request.finish_reason or "abort"
         self.stats.num_requests_finished[reason] = (
             self.stats.num_requests_finished.get(reason, 0) + 1
         )
         self.runner.release(request.request_id)
-        out = self._output(request, new_ids, new_text, finished=True)
+        out = self._output(request, new_ids, new_text, finished=True, error=error)
         del self._requests[request.request_id]
         del self._texts[request.request_id]
         return out

@@ -160,6 +160,18 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
 
+    def uncache_blocks(self, request_id: str, first: int) -> None:
+        """Forget the prefix-cache hashes of a request's blocks from index `first` on.
+
+        For a step that failed: `allocate` hashed its full blocks before the step computed them,
+        so their KV was never written and no later request may reuse them."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        for block_id in entry.block_ids[first:]:
+            self._uncache(self.blocks[block_id])
+        entry.num_cached = min(entry.num_cached, first)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held by no request."""
         for block_id in list(self._cached.values()):

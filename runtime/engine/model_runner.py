@@ -4,6 +4,11 @@ Each step it flattens the scheduled requests into one varlen batch (`input_ids, 
 slot_mapping, block_tables, seq_lens, query_start_loc`), runs the model with the paged
 attention backend over its KV cache, and samples a token for every request whose scheduled
 tokens reach its end (a prefill chunk that does not is computed but not sampled).
+
+A step is `prepare` then `execute`. `prepare` does, per request and before any compute, all
+that can fail for one request alone, so that such a failure is pinned on that request and the
+rest of the batch is unaffected; `execute` is the batched forward pass and sampling, whose
+failure the engine rolls back (`roll_back`) and isolates (see isolation.py).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import torch
 from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
-from kubeinfer.runtime.engine.sched_output import SchedulerOutput
+from kubeinfer.runtime.engine.sched_output import ScheduledRequest, SchedulerOutput
 from kubeinfer.runtime.engine.staging import HostStaging
+from kubeinfer.runtime.engine.validation import check_token_ids
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
 from kubeinfer.runtime.models.ops import select_kernels
@@ -52,6 +59,8 @@ class ModelRunner:
         self.dtype = model.lm_head.weight.dtype
         self.max_model_len = model.max_positions
         mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.num_logits = model.lm_head.weight.shape[0]  # the sampler's row width
         self.block_size = config.block_size
         self.bytes_per_block = (
             2
@@ -112,13 +121,49 @@ class ModelRunner:
         self._generators.pop(request_id, None)
         self.block_tables.release(request_id)
 
-    @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, block_ids: Callable[[str], list[int]]
-    ) -> list[int | None]:
-        """Run one step; one sampled token per scheduled request (None: prefill continues)."""
+    def roll_back(self, step_ids: list[str], preempted_ids: list[str]) -> None:
+        """Forget what a failed step may have half-done: the block-table rows of the preempted
+        requests (their blocks are gone), and the generators of the step's requests (the step
+        may have drawn from them; `_sampling_row` rebuilds each from its seed)."""
+        for request_id in preempted_ids:
+            self.block_tables.release(request_id)
+        for request_id in step_ids:
+            self._generators.pop(request_id, None)
+
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[list[SamplingRow | None], dict[int, Exception]]:
+        """Per-request work of a step, before any compute. Returns a sampling row per scheduled
+        request (None when it samples nothing this step) and the requests that cannot run, by
+        index, with their errors.
+
+        Checked here: the tokens to compute are in the vocabulary (a prompt that got past
+        validation would index the embedding out of bounds: on CUDA a device-side assert,
+        which no process survives), the banned ids are, and a seeded generator can be made.
+        """
         for request_id in out.preempted_ids:  # their blocks are gone; rows are re-made later
             self.block_tables.release(request_id)
+        rows: list[SamplingRow | None] = []
+        failures: dict[int, Exception] = {}
+        for i, s in enumerate(out.scheduled):
+            try:
+                _check_new_prompt_ids(s, self.vocab_size)
+                rows.append(self._sampling_row(s.request) if s.completes_prefill else None)
+            except Exception as e:  # noqa: BLE001 - any error here belongs to this request
+                rows.append(None)
+                failures[i] = e
+        return rows, failures
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        out: SchedulerOutput,
+        block_ids: Callable[[str], list[int]],
+        rows: list[SamplingRow | None],
+    ) -> list[int | None]:
+        """Run one step; one sampled token per scheduled request (None: prefill continues).
+
+        `rows` come from `prepare` for the same step."""
         batch = build_step_batch(out, block_ids, self.block_size, self.block_tables)
         self.staging.begin_step()
         put = self.staging.put
@@ -137,22 +182,38 @@ class ModelRunner:
         if not sampling:
             return results
         logits = self.model.compute_logits(hidden[put(np.array(batch.logits_indices))])
-        rows = [self._sampling_row(out.scheduled[i].request) for i in sampling]
-        for i, token in zip(sampling, self.sampler(logits, rows), strict=True):
+        sample_rows = [row for i in sampling if (row := rows[i]) is not None]
+        if len(sample_rows) != len(sampling):
+            raise RuntimeError("prepare() and execute() disagree on the rows that sample")
+        for i, token in zip(sampling, self.sampler(logits, sample_rows), strict=True):
             results[i] = token
         return results
 
-    def _sampling_row(self, request) -> SamplingRow:  # noqa: ANN001
+    def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = self._generators.get(request.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                # one draw per token so far: after a roll-back it resumes where it was
+                self.sampler.skip_draws(generator, request.num_output_tokens, self.num_logits)
                 self._generators[request.request_id] = generator
         banned: list[int] = []
         if request.num_output_tokens < params.min_tokens:
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
-                banned += list(request.eos_token_ids)
+                # an EOS id the model cannot produce needs no ban
+                banned += [t for t in request.eos_token_ids if t < self.num_logits]
         return SamplingRow(params, generator, banned)
+
+
+def _check_new_prompt_ids(s: ScheduledRequest, vocab_size: int) -> None:
+    """The prompt tokens this step computes are in the vocabulary (sampled ones always are)."""
+    r = s.request
+    start, num_prompt = r.num_computed_tokens, len(r.prompt_token_ids)
+    if start < num_prompt:
+        ids = r.prompt_token_ids[start : min(start + s.num_new_tokens, num_prompt)]
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            check_token_ids("prompt", ids, vocab_size)

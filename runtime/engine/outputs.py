@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+""""error": the engine failed this request alone (see `RequestOutput.error`); others go on."""
 
 
 @dataclass(slots=True)
@@ -39,3 +40,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None
+    """Why the engine failed the request (finish_reason "error"): one line, never a traceback."""

@@ -3,7 +3,9 @@
 Greedy rows take the argmax. Random rows apply temperature, then top-k, top-p and min-p
 filters, then draw with the exponential race (argmax of p / E with E ~ Exp(1), which samples
 from p). A row with a seed draws its E from its own generator, advanced once per token, so its
-tokens do not depend on the batch around it.
+tokens do not depend on the batch around it; its state is a function of (seed, tokens drawn),
+so `skip_draws` can rebuild it. Banned ids outside the vocabulary are ignored (a token that
+cannot be sampled needs no ban), never used as an index.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         # logits: (S, V)
         logits = logits.float()
+        vocab = logits.shape[-1]
         for i, row in enumerate(rows):
             if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+                banned = [t for t in row.banned_token_ids if 0 <= t < vocab]
+                logits[i, banned] = float("-inf")
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
@@ -51,6 +55,13 @@ class Sampler:
                     race[j].exponential_(generator=rows[i].generator)
             tokens[idx] = (probs / race).argmax(dim=-1)
         return tokens.tolist()
+
+    def skip_draws(self, generator: torch.Generator, num_tokens: int, vocab: int) -> None:
+        """Advance a row's generator past `num_tokens` tokens: exactly the draws `__call__`
+        makes, one (vocab,) float32 race per token."""
+        race = torch.empty(vocab, device=self.device)
+        for _ in range(num_tokens):
+            race.exponential_(generator=generator)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device

@@ -47,7 +47,7 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1], got 0")
         _number("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
-            _int("seed", self.seed, low=-(2**63))
+            _int("seed", self.seed, low=-(2**63), high=2**64 - 1)  # what torch's generators take
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -64,9 +64,11 @@ class SamplingParams:
         return self.temperature < _GREEDY_BELOW
 
 
-def _int(name: str, value: object, low: int) -> None:
+def _int(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be an integer <= {high}, got {value!r}")
 
 
 def _number(name: str, value: object, low: float, high: float | None = None) -> None:

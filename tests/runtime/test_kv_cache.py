@@ -103,3 +103,13 @@ def test_hit_on_free_block_counts_against_free_space() -> None:
 def test_bad_sizes() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(num_blocks=0)
+
+
+def test_uncache_blocks_forgets_the_hashes_from_a_block_on() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(13)))
+    admit(kv, a)  # three full blocks hashed
+    kv.uncache_blocks("a", 1)  # a failed step was to write blocks 1 and up
+    kv.free("a")
+    assert admit(kv, req("b", list(range(13)))) == 4  # block 0 still hits, block 1 no more
+    kv.uncache_blocks("no-such-request", 0)  # a no-op
