@@ -67,6 +67,7 @@ bench: venv model
 	@$(TIMED) bench-scheduler $(PY) bench/scheduler.py
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 	@$(TIMED) bench-serve $(PY) bench/serve.py
+	@$(TIMED) bench-overload $(PY) bench/overload.py
 	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py --png docs/autoscale_sim.png
 	@$(PY) hack/readme_sections.py  # the README shows the latest row of each
 

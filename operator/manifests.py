@@ -34,6 +34,8 @@ APP_NAME = "kubeinfer-runtime"
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+#: terminationGracePeriodSeconds beyond the runtime's shutdown delay and drain timeout.
+GRACE_MARGIN_S = 15
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -106,7 +108,7 @@ def render_deployment(
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the runtime never calls the API server
         "enableServiceLinks": False,  # a Service named `kubeinfer` would set KUBEINFER_PORT
-        "terminationGracePeriodSeconds": config.termination_grace_s,
+        "terminationGracePeriodSeconds": termination_grace_s(config),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": 1000,
@@ -141,6 +143,12 @@ def render_deployment(
     }
 
 
+def termination_grace_s(config: OperatorSettings) -> int:
+    """Covers the runtime's whole SIGTERM sequence: the shutdown delay, the drain, and its
+    exit (closing connections, joining the engine: at most 7 s, see runtime/server/serve.py)."""
+    return config.shutdown_delay_s + config.drain_timeout_s + GRACE_MARGIN_S
+
+
 def model_path(source: ModelSource) -> str:
     """The folder `--model` names inside the container."""
     if source.scheme == "pvc":
@@ -149,7 +157,10 @@ def model_path(source: ModelSource) -> str:
 
 
 def runtime_args(
-    model: Mapping[str, Any], spec: InferenceModelSpec, source: ModelSource
+    model: Mapping[str, Any],
+    spec: InferenceModelSpec,
+    source: ModelSource,
+    config: OperatorSettings,
 ) -> list[str]:
     rt = spec.runtime
     return [
@@ -164,6 +175,8 @@ def runtime_args(
         "--max-num-batched-tokens", str(rt.max_num_batched_tokens),
         "--kv-cache-memory-fraction", f"{rt.kv_cache_memory_fraction:g}",
         "--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--shutdown-delay", str(config.shutdown_delay_s),
+        "--drain-timeout", str(config.drain_timeout_s),
         *rt.extra_args,
     ]  # fmt: skip
 
@@ -206,17 +219,19 @@ def _runtime_container(
     if res.gpus > 0:
         requests[res.gpu_resource_name] = str(res.gpus)
         limits[res.gpu_resource_name] = str(res.gpus)
-    startup_period_s = 5
+    startup_period_s = 2
     return {
         "name": RUNTIME_CONTAINER,
         "image": spec.runtime.image or config.runtime_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["kubeinfer", "serve"],
-        "args": runtime_args(model, spec, source),
+        "args": runtime_args(model, spec, source, config),
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        # The startup probe asks /ready, so a load that hangs (never ready) is restarted once
+        # the startup budget is spent; liveness (/health) takes over once the model serves.
         "startupProbe": _probe(
-            "/health", startup_period_s, max(1, config.startup_budget_s // startup_period_s), 5
+            "/ready", startup_period_s, max(1, config.startup_budget_s // startup_period_s), 2
         ),
         "readinessProbe": _probe("/ready", 2, 3, 2),
         "livenessProbe": _probe("/health", 10, 3, 5),

@@ -41,10 +41,15 @@ class OperatorSettings(BaseSettings):
     load errors reach the status from there)."""
     pod_probe_timeout_s: float = Field(2.0, gt=0)
     startup_budget_s: int = Field(1800, ge=60)
-    """How long a runtime container may take to start serving /health (weights can take
+    """How long a runtime container may take to answer /ready (weights can take
     minutes); the startup probe's periodSeconds x failureThreshold."""
-    termination_grace_s: int = Field(60, ge=1)
-    """Pods' terminationGracePeriodSeconds: the runtime drains in-flight requests on SIGTERM."""
+    shutdown_delay_s: int = Field(5, ge=0, le=300)
+    """On SIGTERM the runtime keeps serving this long with /ready failing, while the pod leaves
+    the endpoints of Services, gateways and routers (`--shutdown-delay`)."""
+    drain_timeout_s: int = Field(30, ge=0, le=3600)
+    """Then it refuses new requests and finishes those in flight for up to this long
+    (`--drain-timeout`). The pods' terminationGracePeriodSeconds is the sum of both plus
+    `manifests.GRACE_MARGIN_S`."""
     shm_size: str = "2Gi"
     """Size limit of the /dev/shm emptyDir (medium Memory) of the runtime containers."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

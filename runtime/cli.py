@@ -94,8 +94,33 @@ def serve(
         envvar="KUBEINFER_API_KEY",
         show_envvar=False,
     ),
-    max_request_bytes: int | None = typer.Option(None, help="Largest request body."),
-    drain_timeout: float | None = typer.Option(None, help="SIGTERM drain timeout, seconds."),
+    max_request_bytes: int | None = typer.Option(
+        None, help="Largest request body (default: from max_model_len)."
+    ),
+    max_input_chars: int | None = typer.Option(
+        None, help="Most characters per prompt before tokenizing (default: 32 per token)."
+    ),
+    max_prompts_per_request: int | None = typer.Option(None, help="Prompts per request."),
+    max_stop_strings: int | None = typer.Option(None, help="Stop strings per request."),
+    max_stop_string_chars: int | None = typer.Option(None, help="Longest stop string."),
+    max_stop_token_ids: int | None = typer.Option(None, help="stop_token_ids per request."),
+    max_chat_messages: int | None = typer.Option(None, help="Messages per chat request."),
+    max_queued_requests: int | None = typer.Option(
+        None, help="Waiting requests before 429 (default: 4 x max-num-seqs)."
+    ),
+    max_queued_tokens: int | None = typer.Option(
+        None, help="Waiting prompt tokens before 429 (default: 16 x max-num-batched-tokens)."
+    ),
+    tokenizer_workers: int | None = typer.Option(None, help="Tokenizer threads."),
+    engine_stall_timeout: float | None = typer.Option(
+        None, help="/health fails after this many seconds without an engine step."
+    ),
+    shutdown_delay: float | None = typer.Option(
+        None, help="SIGTERM: seconds to keep serving with /ready failing."
+    ),
+    drain_timeout: float | None = typer.Option(
+        None, help="SIGTERM: seconds to finish in-flight requests."
+    ),
     log_level: str | None = typer.Option(None, help="debug | info | warning | error"),
     metrics_fault_file: Path | None = typer.Option(
         None, help="Test hook: /metrics answers 503 while this file exists."

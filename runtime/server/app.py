@@ -1,8 +1,8 @@
 """create_app(settings): the FastAPI app — routes, error handlers, auth and body-size guard.
 
 The model loads in the lifespan hook on a background thread (see state.py); the ASGI guard in
-front of the routes answers 401 (API key), 413 (body too large) and 503 (draining) before any
-route runs.
+front of the routes answers 401 (API key), 413 (body too large) and 503 (shutting down) before
+any route runs.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ from kubeinfer.runtime.server.settings import ServerSettings
 from kubeinfer.runtime.server.state import ServerState
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class Guard:
-    """Pure ASGI middleware (streams pass straight through, disconnects stay visible)."""
+    """Pure ASGI middleware in front of /v1: API key (401), shutdown (503), body size (413).
+
+    The body is read here, whole and bounded, before any route runs: a body over the limit gets
+    413 whether it declared a Content-Length or came chunked, and the route sees it replayed.
+    Messages after the body (the client's disconnect) pass straight through, so routes and
+    streams still see a client leave. Every /v1 request is counted in flight until its last
+    byte is sent, which is what the SIGTERM drain waits for.
+    """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
         key = state.settings.api_key
         self.api_key = key.get_secret_value().encode() if key else None
-        self.limit = state.settings.max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
@@ -49,35 +51,49 @@ class Guard:
                     send, 401, "missing or invalid API key", [(b"www-authenticate", b"Bearer")]
                 )
                 return
-        if self.state.draining:
+        if self.state.refusing:
             await _send_error(send, 503, "server is shutting down")
             return
+        limit = self.state.max_request_bytes
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _send_error(send, 413, f"request body over {self.limit} bytes")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _send_error(send, 413, f"request body over {limit} bytes")
             return
-        received = 0
-        started = False
+        body = await _read_body(receive, limit)
+        if body is None:
+            await _send_error(send, 413, f"request body over {limit} bytes")
+            return
+        replayed = False
 
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _BodyTooLarge
-            return message
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        self.state.num_in_flight += 1
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _send_error(send, 413, f"request body over {self.limit} bytes")
+            await self.app(scope, replay, send)
+        finally:
+            self.state.num_in_flight -= 1
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None once it passes `limit` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left before sending it all
+            return b"".join(chunks)
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 async def _send_error(
@@ -99,8 +115,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> Fa
         if state.engine is None and state.load_error is None:
             state.load_in_background()
         yield
-        if state.engine is not None:
-            state.engine.stop()
+        state.close()
 
     app = FastAPI(title="kubeinfer", version=__version__, lifespan=lifespan)
     app.state.server = state

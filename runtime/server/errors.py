@@ -1,6 +1,7 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, never a traceback.
 
-Handlers map: request validation (pydantic) and `ValueError` -> 400, `APIError` -> its status,
+Handlers map: request validation (pydantic) and `ValueError` -> 400 (an engine's
+`InvalidRequestError` names its field in `param`), `APIError` -> its status and headers,
 anything unexpected -> 500 with a generic message (the traceback goes to the log only).
 """
 
@@ -21,16 +22,24 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_body(
@@ -84,11 +93,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

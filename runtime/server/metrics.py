@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -56,7 +56,8 @@ _TOKEN_BUCKETS = (
     5.0,
     10.0,
 )
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_requests", "queue_tokens")
 
 
 class _EngineCollector(Collector):
@@ -78,7 +79,7 @@ class _EngineCollector(Collector):
             return c
 
         running = len(engine.scheduler.running) if engine else 0
-        waiting = len(engine.scheduler.waiting) if engine else 0
+        waiting = engine.scheduler.num_waiting if engine else 0
         usage = engine.kv_cache.usage if engine else 0.0
         stats = engine.stats if engine else None
         prefix = engine.kv_cache.prefix_stats if engine else None
@@ -143,7 +144,18 @@ class RuntimeMetrics:
             "Time waiting before the first step.",
             _LATENCY_BUCKETS,
         )
+        self.rejected = Counter(
+            "kubeinfer:requests_rejected",
+            "Requests refused with 429 because the waiting queue was full, by bound.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
+        for reason in REJECT_REASONS:  # exported at 0 from the start, so rates work
+            self.rejected.labels(model_name, reason)
         self.registry.register(_EngineCollector(model_name, engine))
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -1,40 +1,37 @@
 """The OpenAI routes: /v1/models, /v1/completions, /v1/chat/completions (streaming or not).
 
-Each request is validated in full before anything streams (a bad request is a 400, never a
-broken stream); streams are Server-Sent Events ending in `data: [DONE]`. A client that goes
-away mid-stream cancels its generator, which aborts the request in the engine.
+Each request goes through the same gates before the engine sees it: the body's sizes against
+the server's caps (limits.py, 400 naming the field), a place in the bounded queue (admission.py,
+429), its prompt tokenized or its chat template rendered on the CPU pool (never on the event
+loop), then the token ids and sampling fields against the model (400 naming the field). A bad
+request is a 400 before anything streams, never a broken stream; streams are Server-Sent Events
+ending in `data: [DONE]` (sse.py). A client that goes away aborts its request in the engine,
+streamed or not, running or still queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from functools import partial
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 
-from kubeinfer.runtime.engine.async_engine import AsyncEngine, EngineDeadError
+from kubeinfer.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kubeinfer.runtime.engine.outputs import RequestOutput
-from kubeinfer.runtime.server.errors import APIError, error_body
+from kubeinfer.runtime.server.disconnect import until_disconnect
+from kubeinfer.runtime.server.errors import APIError
 from kubeinfer.runtime.server.health_routes import get_state
+from kubeinfer.runtime.server.limits import RequestLimits, check_chat, check_completion
 from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from kubeinfer.runtime.server.sse import Job, chat_chunks, completion_chunks, sse, usage
 from kubeinfer.runtime.server.state import ServerState
-from kubeinfer.runtime.tokenizer import ChatTemplateError
+from kubeinfer.runtime.tokenizer import ChatTemplateError, Tokenizer
 
 router = APIRouter()
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for legacy completions
-
-
-@dataclass(slots=True)
-class _Job:
-    """One prompt of a request, validated and ready to stream."""
-
-    prompt_ids: list[int]
-    stream: AsyncIterator[RequestOutput]
 
 
 @router.get("/v1/models")
@@ -51,22 +48,32 @@ async def get_model(model_id: str, state: ServerState = Depends(get_state)) -> d
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(
-    body: CompletionRequest, state: ServerState = Depends(get_state)
-) -> JSONResponse | StreamingResponse:
-    engine = _engine_for(state, body)
+    body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)
+) -> Response:
+    return await until_disconnect(request, _completion(body, state))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
+) -> Response:
+    return await until_disconnect(request, _chat_completion(body, state))
+
+
+async def _completion(body: CompletionRequest, state: ServerState) -> Response:
+    engine, limits = _engine_for(state, body)
+    check_completion(body, limits)
+    prompts = body.prompts()
     tokenizer = engine.engine.tokenizer
-    jobs = []
-    for prompt in body.prompts():
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-            prompt = tokenizer.encode(prompt)
-        jobs.append(
-            _job(engine, state, body, prompt, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-        )
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+    with state.admission.preparing(state.engine_queue(), len(prompts), limits):
+        prompt_ids = await state.run_cpu(_encode_all, tokenizer, prompts)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        jobs = _jobs(engine, state, limits, body, prompt_ids, max_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return _sse(_completion_chunks(jobs, body, state.model_name, rid, created))
+        return sse(completion_chunks(jobs, body, state.model_name, rid, created))
     outs = await _collect(jobs)
     choices = [
         {
@@ -85,31 +92,35 @@ async def create_completion(
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": _usage(outs),
+            "usage": usage(outs),
         }
     )
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(
-    body: ChatCompletionRequest, state: ServerState = Depends(get_state)
-) -> JSONResponse | StreamingResponse:
-    engine = _engine_for(state, body)
+async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> Response:
+    engine, limits = _engine_for(state, body)
+    check_chat(body, limits)
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
-    try:
-        prompt_ids = tokenizer.encode_chat(
-            [m.as_template_message() for m in body.messages],
-            add_generation_prompt=body.add_generation_prompt,
-        )
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), "messages") from None
-    max_tokens = body.requested_max_tokens or max(engine.engine.max_model_len - len(prompt_ids), 1)
-    job = _job(engine, state, body, prompt_ids, max_tokens)
+    messages = [m.as_template_message() for m in body.messages]
+    with state.admission.preparing(state.engine_queue(), 1, limits):
+        try:
+            prompt_ids = await state.run_cpu(
+                partial(
+                    tokenizer.encode_chat,
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            )
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+        max_model_len = engine.engine.max_model_len
+        max_tokens = body.requested_max_tokens or max(max_model_len - len(prompt_ids), 1)
+        (job,) = _jobs(engine, state, limits, body, [prompt_ids], max_tokens)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return _sse(_chat_chunks(job, body, state.model_name, rid, created))
+        return sse(chat_chunks(job, body, state.model_name, rid, created))
     (out,) = await _collect([job])
     completion = out.outputs[0]
     choice = {
@@ -126,7 +137,7 @@ async def create_chat_completion(
             "created": created,
             "model": state.model_name,
             "choices": [choice],
-            "usage": _usage([out]),
+            "usage": usage([out]),
         }
     )
 
@@ -146,7 +157,7 @@ def _model_card(state: ServerState) -> dict:
     return card
 
 
-def _engine_for(state: ServerState, body: _Sampling) -> AsyncEngine:
+def _engine_for(state: ServerState, body: _Sampling) -> tuple[AsyncEngine, RequestLimits]:
     if body.model is not None and body.model != state.model_name:
         raise APIError(
             404,
@@ -157,153 +168,63 @@ def _engine_for(state: ServerState, body: _Sampling) -> AsyncEngine:
     return state.require_engine()
 
 
-def _job(
-    engine: AsyncEngine, state: ServerState, body: _Sampling, prompt_ids: list[int], max_tokens: int
-) -> _Job:
+def _encode_all(tokenizer: Tokenizer | None, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (runs on the CPU pool)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            assert tokenizer is not None  # checked by the route
+            p = tokenizer.encode(p)
+        out.append(p)
+    return out
+
+
+def _jobs(
+    engine: AsyncEngine,
+    state: ServerState,
+    limits: RequestLimits,
+    body: _Sampling,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+) -> list[Job]:
+    """Check every prompt against the model and the token queue, then hand them to the engine:
+    all of a request's prompts are accepted, or none."""
     limit = engine.engine.max_model_len
-    if len(prompt_ids) + max_tokens > limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-            f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
-            "max_tokens",
-        )
+    for ids in prompt_ids:
+        if len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+    state.admission.check_tokens(
+        state.engine_queue(), sum(len(ids) for ids in prompt_ids), limits
+    )
     params = body.sampling_params(max_tokens)
-    return _Job(prompt_ids, engine.generate(prompt_ids, params))
+    requests = [
+        engine.engine.make_request(ids, params, uuid.uuid4().hex, body.cache_salt)
+        for ids in prompt_ids
+    ]
+    return [Job(r.prompt_token_ids, engine.submit(r)) for r in requests]
 
 
-async def _collect(jobs: list[_Job]) -> list[RequestOutput]:
-    async def last(job: _Job) -> RequestOutput:
+async def _collect(jobs: list[Job]) -> list[RequestOutput]:
+    async def last(job: Job) -> RequestOutput:
         final = None
         async for out in job.stream:
             final = out
         assert final is not None
         return final
 
+    tasks = [asyncio.ensure_future(last(j)) for j in jobs]
     try:
-        return list(await asyncio.gather(*(last(j) for j in jobs)))
+        return list(await asyncio.gather(*tasks))
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
-
-
-def _usage(outs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-async def _merged(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the prompt's index."""
-    if len(jobs) == 1:
-        async for out in jobs[0].stream:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, job: _Job) -> None:
-        try:
-            async for out in job.stream:
-                await queue.put((i, out))
-            await queue.put((i, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
-    try:
-        remaining = len(jobs)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
+    except RequestFailedError as e:
+        raise APIError(500, str(e)) from None
+    finally:  # one prompt failed: abort its siblings instead of leaving them to run unread
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _completion_chunks(
-    jobs: list[_Job], body: CompletionRequest, model: str, rid: str, created: int
-) -> AsyncIterator[dict]:
-    finals: dict[int, RequestOutput] = {}
-    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    async for i, out in _merged(jobs):
-        c = out.outputs[0]
-        if out.finished:
-            finals[i] = out
-        if c.new_text or out.finished:
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": c.new_text,
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ],
-            }
-    if body.include_usage:
-        yield {**head, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])}
-
-
-async def _chat_chunks(
-    job: _Job, body: ChatCompletionRequest, model: str, rid: str, created: int
-) -> AsyncIterator[dict]:
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield {
-        **head,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-    }
-    final = None
-    async for _, out in _merged([job]):
-        c = out.outputs[0]
-        if c.new_text or out.finished:
-            delta = {"content": c.new_text} if c.new_text else {}
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ],
-            }
-        final = out
-    if body.include_usage and final is not None:
-        yield {**head, "choices": [], "usage": _usage([final])}
-
-
-def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-        except EngineDeadError as e:
-            yield f"data: {json.dumps(error_body(503, str(e)))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )

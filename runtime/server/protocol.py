@@ -3,7 +3,9 @@
 Fields OpenAI defines that kubeinfer does not implement are accepted at their neutral value
 and refused otherwise with a message saying so (n > 1, echo, logprobs, penalties, ...);
 fields OpenAI does not define are refused by name. vLLM's extensions (top_k, min_p,
-stop_token_ids, ignore_eos, min_tokens, skip_special_tokens) are supported.
+stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt) are supported. Sizes
+the server caps by its settings (prompts, stop strings, messages, characters) are checked in
+limits.py; token ids against the vocabulary in the engine.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    """Prefix-cache key: requests share cached prompt blocks only with equal salts (tenants)."""
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -130,6 +134,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @property
+    def num_chars(self) -> int:
+        content = self.content
+        if isinstance(content, list):
+            return sum(len(part.text) for part in content) + len(self.name or "")
+        return len(content or "") + len(self.name or "")
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content

@@ -1,8 +1,13 @@
-"""Run the server with uvicorn, draining on SIGTERM as Kubernetes expects.
+"""Run the server with uvicorn, shutting down on SIGTERM without dropping work.
 
-On SIGTERM: `/ready` turns 503 (the pod leaves the Service), new requests get 503, in-flight
-requests run to completion for up to `drain_timeout` seconds, then the server stops and the
-process exits 0. A second SIGTERM, or SIGINT, stops at once (uvicorn's default).
+On SIGTERM, in three steps whose worst case is bounded by `shutdown_bound_s(settings)`:
+1. for `shutdown_delay` seconds `/ready` answers 503 (the pod leaves the Service's endpoints)
+   while requests are still served, since clients that have not seen the change yet still come;
+2. then new requests get 503 and the ones in flight (streams included, each ending with
+   `data: [DONE]`) run to completion for up to `drain_timeout` seconds;
+3. then uvicorn closes the idle connections and the process exits 0.
+A second SIGTERM, or SIGINT, stops at once (uvicorn's default). The operator renders a
+`terminationGracePeriodSeconds` that covers the bound.
 """
 
 from __future__ import annotations
@@ -17,9 +22,19 @@ import uvicorn
 
 from kubeinfer.runtime.server.app import create_app
 from kubeinfer.runtime.server.settings import ServerSettings
-from kubeinfer.runtime.server.state import ServerState
+from kubeinfer.runtime.server.state import ENGINE_STOP_TIMEOUT_S, ServerState
 
 logger = logging.getLogger(__name__)
+
+#: After the drain: uvicorn's graceful close of the connections left, then the engine thread's
+#: join (a step in progress ends first). Their sum bounds step 3.
+CLOSE_TIMEOUT_S = 2
+EXIT_MARGIN_S = CLOSE_TIMEOUT_S + ENGINE_STOP_TIMEOUT_S
+
+
+def shutdown_bound_s(settings: ServerSettings) -> float:
+    """The longest SIGTERM can take to exit: the grace period must be at least this."""
+    return settings.shutdown_delay + settings.drain_timeout + EXIT_MARGIN_S
 
 
 class DrainingServer(uvicorn.Server):
@@ -29,19 +44,26 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
-            logger.info("SIGTERM: draining (up to %.0fs)", self.state.settings.drain_timeout)
+            s = self.state.settings
+            logger.info(
+                "SIGTERM: serving %.0fs more while endpoints update, then draining (up to %.0fs)",
+                s.shutdown_delay,
+                s.drain_timeout,
+            )
             self.state.draining = True
             threading.Thread(target=self._drain, name="drain", daemon=True).start()
             return  # not captured: after a clean drain the process exits 0
         super().handle_exit(sig, frame)
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + self.state.settings.drain_timeout
-        engine = self.state.engine
-        while engine is not None and engine.num_unfinished and time.monotonic() < deadline:
+        s = self.state.settings
+        time.sleep(s.shutdown_delay)
+        self.state.refusing = True
+        deadline = time.monotonic() + s.drain_timeout
+        while self.state.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        if engine is not None and engine.num_unfinished:
-            logger.warning("drain timeout: %d requests still running", engine.num_unfinished)
+        if self.state.num_in_flight:
+            logger.warning("drain timeout: %d requests still in flight", self.state.num_in_flight)
         self.should_exit = True
 
 
@@ -53,7 +75,7 @@ def serve(settings: ServerSettings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=max(int(settings.drain_timeout), 1),
+        timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
         access_log=False,
     )
     DrainingServer(config, state).run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kubeinfer.runtime.engine.config import EngineConfig
@@ -35,15 +35,50 @@ class ServerSettings(BaseSettings):
     enable_prefix_caching: bool = True
     kernels: Literal["auto", "torch", "triton"] = "auto"
     api_key: SecretStr | None = None
-    """When set, /v1/* requests need `Authorization: Bearer <key>`."""
-    max_request_bytes: int = Field(4 << 20, ge=1024)
-    """Larger request bodies get 413."""
+    """When set, /v1/* requests need `Authorization: Bearer <key>` (empty or blank: refused)."""
+    max_request_bytes: int | None = Field(None, ge=1024)
+    """Larger request bodies get 413; default: 8 bytes per character of `max_input_chars`
+    (JSON escapes and UTF-8), at least 1 MiB."""
+    max_input_chars: int | None = Field(None, ge=1)
+    """Most characters in one prompt (or all of a chat's messages) before tokenizing; default:
+    32 per token of max_model_len, so a body never costs more CPU than the context justifies."""
+    max_prompts_per_request: int = Field(128, ge=1)
+    """Most prompts in one /v1/completions request (each becomes an engine request)."""
+    max_stop_strings: int = Field(16, ge=0)
+    """Most `stop` strings per request (OpenAI allows 4)."""
+    max_stop_string_chars: int = Field(256, ge=1)
+    """Longest `stop` string, in characters."""
+    max_stop_token_ids: int = Field(128, ge=0)
+    """Most `stop_token_ids` per request."""
+    max_chat_messages: int = Field(2048, ge=1)
+    """Most messages in one chat request (OpenAI's limit)."""
+    max_queued_requests: int | None = Field(None, ge=1)
+    """Requests waiting (being tokenized or queued for the engine) before new ones get 429;
+    default: 4 x max_num_seqs."""
+    max_queued_tokens: int | None = Field(None, ge=1)
+    """Prompt tokens waiting for the engine before new requests get 429 (a request is always
+    admitted into an empty queue); default: 16 x max_num_batched_tokens."""
+    tokenizer_workers: int = Field(2, ge=1, le=64)
+    """Threads that tokenize and render chat templates, off the event loop."""
+    engine_stall_timeout: float = Field(60.0, gt=0.0)
+    """/health fails when the engine has work but finished no step for this long (a hung
+    engine gets restarted by the liveness probe)."""
+    shutdown_delay: float = Field(0.0, ge=0.0)
+    """On SIGTERM, keep serving this long with /ready failing, so endpoints drop the pod
+    before it refuses work (the operator sets it; 0 refuses at once)."""
     drain_timeout: float = Field(30.0, ge=0.0)
-    """Seconds SIGTERM waits for in-flight requests before exiting."""
+    """After the shutdown delay, seconds to finish in-flight requests before exiting."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_fault_file: Path | None = None
     """Test hook: while this file exists, GET /metrics answers 503, as a pod whose metrics port
     is blocked would (the autoscaler's cluster test makes scrapes fail under load with it)."""
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value().strip():
+            raise ValueError("the API key is empty or blank: give a real key, or none")
+        return key
 
     @property
     def model_name(self) -> str:

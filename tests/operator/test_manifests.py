@@ -51,7 +51,8 @@ def test_example_renders_the_runtime_contract() -> None:
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # a load that hangs never turns /ready 200: the startup probe restarts it after the budget
+    assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     assert budget >= 1800  # weights may take many minutes
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -70,6 +71,25 @@ def test_example_renders_the_runtime_contract() -> None:
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
+
+
+@pytest.mark.parametrize(("delay", "drain"), [(5, 30), (0, 0), (60, 600)])
+def test_grace_period_covers_every_shutdown_timeout(delay: int, drain: int) -> None:
+    """The runtime's SIGTERM sequence (shutdown delay + drain + its exit) fits the grace
+    period, read from the rendered manifest and the runtime's own settings parser."""
+    from kubeinfer.runtime.server.serve import shutdown_bound_s
+    from kubeinfer.runtime.server.settings import ServerSettings
+
+    config = OperatorSettings(shutdown_delay_s=delay, drain_timeout_s=drain)
+    pod = by_kind(render(make_model(), config))["Deployment"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    settings = ServerSettings(
+        model=arg(args, "--model"),
+        shutdown_delay=float(arg(args, "--shutdown-delay")),
+        drain_timeout=float(arg(args, "--drain-timeout")),
+    )
+    assert (settings.shutdown_delay, settings.drain_timeout) == (delay, drain)
+    assert shutdown_bound_s(settings) < pod["terminationGracePeriodSeconds"]
 
 
 def test_security_context_is_locked_down() -> None:

@@ -136,6 +136,20 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -
 
 
 @pytest.fixture(scope="session")
+def long_chat_dir(tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat model with an 8192-token context: one request can hold a sequence busy
+    for seconds."""
+    import json
+
+    out = tmp_path_factory.mktemp("long-chat") / "tiny-chat"
+    shutil.copytree(tiny_chat_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
 def smol_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "smollm2.log"
     server = start_server(smollm2_dir, log, "--num-kv-blocks", "512", "--dtype", "float32")

@@ -160,3 +160,37 @@ def test_sigterm_during_a_stream_completes_it_and_exits_0(tiny_chat_dir, tmp_pat
         assert server.proc.wait(60) == 0
     finally:
         stop_server(server)
+
+
+def test_sigterm_keeps_serving_through_the_shutdown_delay(long_chat_dir, tmp_path) -> None:  # noqa: ANN001
+    """For --shutdown-delay seconds /ready fails while requests are still served (endpoints
+    drop the pod first); then new requests get 503 while the stream in flight finishes with
+    [DONE], and the process exits 0."""
+    server = start_server(
+        long_chat_dir,
+        tmp_path / "delay.log",
+        "--num-kv-blocks", "256",
+        "--shutdown-delay", "1",
+        "--drain-timeout", "60",
+    )  # fmt: skip
+    body = {"prompt": "still here", "max_tokens": 2}
+    long = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=long) as stream:
+                lines = stream.iter_lines()
+                next(lines)
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 503
+                during = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+                assert during.status_code == 200, during.text
+                time.sleep(1.2)
+                after = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+                assert after.status_code == 503, after.text
+                assert "shutting down" in after.json()["error"]["message"]
+                rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        assert server.proc.wait(30) == 0
+    finally:
+        stop_server(server)
