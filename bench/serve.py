@@ -15,12 +15,11 @@ import argparse
 import asyncio
 import datetime as dt
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from servers import start_server
 
 from kubeinfer.runtime.loadgen import run_load
 
@@ -66,35 +65,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kubeinfer",
-            "serve",
-            "--model",
-            str(args.model),
-            "--port",
-            str(args.port),
-            "--dtype",
-            "float32",
-            "--num-kv-blocks",
-            str(args.num_kv_blocks),
-            "--log-level",
-            "warning",
-        ]
-    )
+    server = start_server(
+        args.model,
+        args.port,
+        "--dtype", "float32",
+        "--num-kv-blocks", str(args.num_kv_blocks),
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("server did not become ready in 300 s")
         load = dict(
             num_requests=args.requests,
             rate=args.rate,

@@ -34,11 +34,11 @@ from kubeinfer.operator.autoscale_types import (
     ScalerState,
 )
 from kubeinfer.operator.autoscaler import decide
+from kubeinfer.operator.manifests import PROBE_PORT
 from kubeinfer.operator.scrape import SampleStore
 
 logger = logging.getLogger(__name__)
 
-RUNTIME_PORT = 8000  # contract: the runtime listens on the pod IP, port 8000
 FIELD_MANAGER = "kubeinfer-autoscaler"
 NUM_HISTORY = 5
 MEMO_KEY = "autoscaler"
@@ -163,7 +163,7 @@ async def autoscale_tick(
     pods = await api.list_pods(selector)
     ready = [p for p in pods if p.is_ready and p.ip]
     samples = await scrape(
-        [PodTarget(p.name, f"http://{p.ip}:{RUNTIME_PORT}/metrics") for p in ready]
+        [PodTarget(p.name, f"http://{p.ip}:{PROBE_PORT}/metrics") for p in ready]
     )
     store = memory.store
     store.add(samples)

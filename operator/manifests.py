@@ -26,6 +26,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceModel"
 PLURAL = "inferencemodels"
 PORT = 8000
+#: The runtime's probe port (`--probe-port`): /health, /ready and /metrics on a listener of
+#: their own, so the kubelet's probes, the operator's /ready reads and the autoscaler's scrapes
+#: answer while the API port is flooded.
+PROBE_PORT = 8001
 MODELS_ROOT = "/models"
 RUNTIME_CONTAINER = "runtime"
 MANAGED_BY = "kubeinfer"
@@ -168,6 +172,7 @@ def runtime_args(
         "--served-model-name", served_name(model, spec),
         "--host", "$(POD_IP)",
         "--port", str(PORT),
+        "--probe-port", str(PROBE_PORT),
         "--device", "cuda" if spec.resources.gpus > 0 else "cpu",
         "--dtype", rt.dtype,
         "--max-model-len", str(rt.max_model_len),
@@ -183,7 +188,7 @@ def runtime_args(
 
 def _probe(path: str, period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": "probes"},
         "periodSeconds": period_s,
         "timeoutSeconds": timeout_s,
         "failureThreshold": failure_threshold,
@@ -227,7 +232,10 @@ def _runtime_container(
         "command": ["kubeinfer", "serve"],
         "args": runtime_args(model, spec, source, config),
         "env": env,
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": PORT, "protocol": "TCP"},
+            {"name": "probes", "containerPort": PROBE_PORT, "protocol": "TCP"},
+        ],
         # The startup probe asks /ready, so a load that hangs (never ready) is restarted once
         # the startup budget is spent; liveness (/health) takes over once the model serves.
         "startupProbe": _probe(

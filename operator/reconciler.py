@@ -39,7 +39,7 @@ import httpx
 
 from kubeinfer.operator.drift import first_difference
 from kubeinfer.operator.kube import ApiError, KubeApi, RejectedError, TransientApiError
-from kubeinfer.operator.manifests import INSTANCE_LABEL, PORT, render
+from kubeinfer.operator.manifests import INSTANCE_LABEL, PROBE_PORT, render
 from kubeinfer.operator.metrics import OperatorMetrics
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
@@ -449,7 +449,9 @@ class Reconciler:
         async def one(key: Key, name: str, ip: str) -> None:
             async with sem:
                 assert self._http is not None
-                report = await read_ready(self._http, ip, PORT, self.settings.pod_probe_timeout_s)
+                report = await read_ready(
+                    self._http, ip, PROBE_PORT, self.settings.pod_probe_timeout_s
+                )
             if self.reports.get((key[0], name)) != report:
                 self.reports[(key[0], name)] = report
                 self.request_status(key)

@@ -78,6 +78,9 @@ def serve(
     served_model_name: str | None = typer.Option(None, help="Name in /v1/models."),
     host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port (default 8000)."),
+    probe_port: int | None = typer.Option(
+        None, help="Also serve /health, /ready, /metrics on this port, on their own thread."
+    ),
     dtype: str | None = typer.Option(None, help="auto | float32 | bfloat16 | float16"),
     device: str | None = typer.Option(None, help="cpu | cuda | cuda:N"),
     max_model_len: int | None = typer.Option(None, help="Longest prompt + output."),

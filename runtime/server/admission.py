@@ -21,6 +21,7 @@ from kubeinfer.runtime.server.limits import RequestLimits
 
 RejectReason = Literal["queue_requests", "queue_tokens"]
 RETRY_AFTER_S = 1
+RATE_LIMIT_CODE = "rate_limit_exceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,16 @@ class Admission:
         finally:
             self.num_preparing -= num_requests
 
+    def full(self, engine_queue: QueueView, limits: RequestLimits) -> str | None:
+        """The 429 message when not even one more request may wait (counted), else None."""
+        queue = QueueView(engine_queue.num_requests + self.num_preparing, engine_queue.num_tokens)
+        refused = refusal(queue, 1, 0, limits)
+        if refused is None:
+            return None
+        if self._on_reject is not None:
+            self._on_reject(refused[0])
+        return refused[1]
+
     def check_tokens(self, engine_queue: QueueView, num_tokens: int, limits: RequestLimits) -> None:
         """429 when these prompt tokens would overflow the engine's token queue."""
         self._check(QueueView(0, engine_queue.num_tokens), 0, num_tokens, limits)
@@ -80,5 +91,5 @@ class Admission:
         if self._on_reject is not None:
             self._on_reject(reason)
         raise APIError(
-            429, message, None, "rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            429, message, None, RATE_LIMIT_CODE, headers={"Retry-After": str(RETRY_AFTER_S)}
         )

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kubeinfer import __version__
+from kubeinfer.runtime.server.admission import RATE_LIMIT_CODE, RETRY_AFTER_S
 from kubeinfer.runtime.server.errors import error_body, install_error_handlers
 from kubeinfer.runtime.server.health_routes import router as health_router
 from kubeinfer.runtime.server.openai_routes import router as openai_router
@@ -26,7 +27,9 @@ from kubeinfer.runtime.server.state import ServerState
 class Guard:
     """Pure ASGI middleware in front of /v1: API key (401), shutdown (503), body size (413).
 
-    The body is read here, whole and bounded, before any route runs: a body over the limit gets
+    A POST that arrives while the waiting queue is already full gets its 429 here, before its body
+is read (the route makes the exact check, with the request's own size). The body is read here,
+whole and bounded, before any route runs: a body over the limit gets
     413 whether it declared a Content-Length or came chunked, and the route sees it replayed.
     Messages after the body (the client's disconnect) pass straight through, so routes and
     streams still see a client leave. Every /v1 request is counted in flight until its last
@@ -53,6 +56,10 @@ class Guard:
                 return
         if self.state.refusing:
             await _send_error(send, 503, "server is shutting down")
+            return
+        if scope["method"] == "POST" and (full := self.state.queue_full()) is not None:
+            # refused before its body is read: under a flood, a 429 costs the loop little
+            await _send_error(send, 429, full, [(b"retry-after", str(RETRY_AFTER_S).encode())])
             return
         limit = self.state.max_request_bytes
         length = headers.get(b"content-length")
@@ -99,12 +106,21 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
 async def _send_error(
     send: Send, status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+    code = RATE_LIMIT_CODE if status == 429 else None
+    body = json.dumps(error_body(status, message, None, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send(
         {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def create_probe_app(state: ServerState) -> FastAPI:
+    """/health, /ready, /metrics and /version alone, over the same state (`--probe-port`)."""
+    app = FastAPI(title="kubeinfer probes", version=__version__, openapi_url=None)
+    app.state.server = state
+    app.include_router(health_router)
+    return app
 
 
 def create_app(settings: ServerSettings, state: ServerState | None = None) -> FastAPI:

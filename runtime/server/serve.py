@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from types import FrameType
 
 import uvicorn
 
-from kubeinfer.runtime.server.app import create_app
+from kubeinfer.runtime.server.app import create_app, create_probe_app
 from kubeinfer.runtime.server.settings import ServerSettings
 from kubeinfer.runtime.server.state import ENGINE_STOP_TIMEOUT_S, ServerState
 
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 #: join (a step in progress ends first). Their sum bounds step 3.
 CLOSE_TIMEOUT_S = 2
 EXIT_MARGIN_S = CLOSE_TIMEOUT_S + ENGINE_STOP_TIMEOUT_S
+#: How long a thread holds the GIL while another waits (Python's default is 5 ms). The event
+#: loops wait behind the engine and tokenizer threads for it: shorter turns keep probe and
+#: request latency low under load.
+SWITCH_INTERVAL_S = 0.001
 
 
 def shutdown_bound_s(settings: ServerSettings) -> float:
@@ -67,9 +72,30 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def start_probe_server(state: ServerState, port: int) -> threading.Thread:
+    """The probe port: its own uvicorn server, thread and event loop. A flood of API requests
+    queues on the main loop, not here; this one only waits its turn for the GIL. It needs no
+    shutdown of its own: it answers (/ready: draining) until the process exits."""
+    s = state.settings
+    config = uvicorn.Config(
+        create_probe_app(state),
+        host=s.host,
+        port=port,
+        log_level=s.log_level,
+        access_log=False,
+        lifespan="off",
+    )
+    thread = threading.Thread(target=uvicorn.Server(config).run, name="probes", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(settings: ServerSettings) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     state = ServerState(settings)
     app = create_app(settings, state)
+    if settings.probe_port is not None:
+        start_probe_server(state, settings.probe_port)
     config = uvicorn.Config(
         app,
         host=settings.host,

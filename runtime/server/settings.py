@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kubeinfer.runtime.engine.config import EngineConfig
@@ -24,6 +24,9 @@ class ServerSettings(BaseSettings):
     """Name in /v1/models and the `model` field; default: the folder's name."""
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    probe_port: int | None = Field(None, ge=1, le=65535)
+    """Also serve /health, /ready and /metrics on this port, from a thread and event loop of
+    their own, so probes and scrapes answer while the API port is flooded."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     max_model_len: int | None = Field(None, ge=2)
@@ -79,6 +82,12 @@ class ServerSettings(BaseSettings):
         if key is not None and not key.get_secret_value().strip():
             raise ValueError("the API key is empty or blank: give a real key, or none")
         return key
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServerSettings:
+        if self.probe_port == self.port:
+            raise ValueError(f"probe_port must differ from port ({self.port})")
+        return self
 
     @property
     def model_name(self) -> str:

@@ -53,7 +53,7 @@ class FakeCluster:
         self.events.append((reason, message))
 
     async def scrape(self, targets: list[PodTarget]) -> list[PodSample]:
-        assert all(t.url.endswith(":8000/metrics") for t in targets)
+        assert all(t.url.endswith(":8001/metrics") for t in targets)  # the probe port
         gauges = {} if self.waiting is None else {"vllm:num_requests_waiting": self.waiting}
         return [
             PodSample(t.name, self.now, error="ConnectTimeout")

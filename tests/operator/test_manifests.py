@@ -50,9 +50,15 @@ def test_example_renders_the_runtime_contract() -> None:
     assert args[-4:] == ["--device", "cpu", "--num-kv-blocks", "256"]  # extraArgs last
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "probes", "containerPort": 8001, "protocol": "TCP"},
+    ]
+    assert arg(args, "--probe-port") == "8001"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["port"] == "probes"  # answers while the API port is flooded
     # a load that hangs never turns /ready 200: the startup probe restarts it after the budget
-    assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "probes"}
     budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     assert budget >= 1800  # weights may take many minutes
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"

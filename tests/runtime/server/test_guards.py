@@ -118,3 +118,9 @@ def test_shutdown_refuses_new_work_after_the_delay() -> None:
         state.refusing = True
         r = client.get("/v1/models")
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_the_probe_port_must_differ_from_the_api_port() -> None:
+    with pytest.raises(ValueError, match="probe_port must differ"):
+        ServerSettings(model=Path("/m"), port=8000, probe_port=8000)
+    assert ServerSettings(model=Path("/m"), probe_port=8001).probe_port == 8001

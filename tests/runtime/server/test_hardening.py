@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, free_port, start_server, stop_server
 from .test_load_and_faults import wait_idle
 
 CAPS = {
@@ -40,6 +40,9 @@ CHAT = [{"role": "user", "content": "hi"}]
 HOLD_TOKENS = 4000  # a stream this long keeps one of the two sequences busy for seconds
 
 
+PROBE_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def capped(long_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "capped.log"
@@ -49,6 +52,7 @@ def capped(long_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         log,
         "--num-kv-blocks", "1024",
         "--max-num-seqs", "2",
+        "--probe-port", str(PROBE_PORT),
         *args,
     )  # fmt: skip
     yield server
@@ -206,7 +210,23 @@ def test_flood_past_the_queue_gets_429_and_leaves_nothing_queued(capped: Server)
                 *(client.post("/v1/completions", json=body) for _ in range(60))
             )
 
-    responses = asyncio.run(main())
+    probes: list[int] = []
+    stop = threading.Event()
+
+    def poll_probe_port() -> None:  # what the kubelet and the autoscaler read, on their port
+        with httpx.Client(base_url=f"http://127.0.0.1:{PROBE_PORT}", timeout=10) as client:
+            while not stop.is_set():
+                probes.extend(client.get(p).status_code for p in ("/health", "/ready", "/metrics"))
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll_probe_port)
+    poller.start()
+    try:
+        responses = asyncio.run(main())
+    finally:
+        stop.set()
+        poller.join(30)
+    assert probes and set(probes) == {200}, probes
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429}, codes
     refused = [r for r in responses if r.status_code == 429]

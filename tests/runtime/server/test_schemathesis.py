@@ -25,9 +25,14 @@ from schemathesis.generation import GenerationMode
 from .conftest import Server
 
 
+def _schema(server: Server):  # noqa: ANN202
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    schema.config.update(base_url=server.url)
+    return schema
+
+
 def test_no_server_errors(tiny_server: Server) -> None:
-    schema = schemathesis.openapi.from_url(f"{tiny_server.url}/openapi.json")
-    schema.config.update(base_url=tiny_server.url)
+    schema = _schema(tiny_server)
     counts: Counter[str] = Counter()
     failures: list[str] = []
     for result in schema.get_all_operations():
@@ -38,8 +43,7 @@ def test_no_server_errors(tiny_server: Server) -> None:
 
 
 def test_no_server_errors_outside_the_schema(tiny_server: Server) -> None:
-    schema = schemathesis.openapi.from_url(f"{tiny_server.url}/openapi.json")
-    schema.config.update(base_url=tiny_server.url)
+    schema = _schema(tiny_server)
     counts: Counter[str] = Counter()
     failures: list[str] = []
     for result in schema.get_all_operations():
