@@ -1,8 +1,12 @@
 """PagedAttention: the engine's attention backend for one step, over the paged KV cache.
 
 Every layer stores the step's new k/v by slot, then attends. With the Triton kernels the whole
-step is one varlen launch. With the torch references (CPU) the step is planned once, shared by
-every layer, as SDPA calls over each sequence's own keys (decodes in groups):
+step is one varlen launch. On CPU, where the C++ kernel builds (kernels/cpu_attention.py), every
+sequence that reads the cache (decodes, later chunks, prefix hits) goes through it in one call
+per layer, reading keys in place through the block table, and fresh prefills use causal SDPA
+over their own k/v (`_NativePlan`). Without it (no compiler, or KUBEINFER_CPU_KERNELS=0) the step
+is planned once, shared by every layer, as SDPA calls over each sequence's own keys (decodes in
+groups):
 
 - a sequence whose new tokens are all of it (a first prefill chunk, no cached context) attends
   over its own new k/v with causal SDPA, never reading the cache;
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kubeinfer.kernels import cpu_attention
 from kubeinfer.runtime.engine.batch import StepBatch
 from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
 
@@ -134,6 +139,78 @@ def plan_sequences(
     return plans
 
 
+@dataclass(slots=True)
+class _NativePlan:
+    """A CPU step through the C++ kernel (kernels/cpu): every sequence that reads the cache
+    (decodes, later chunks, prefix hits) in one call; fresh prefills (all of the sequence is new)
+    by causal SDPA over their own k/v, which is faster for a long block with nothing cached."""
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_ids: torch.Tensor
+    fresh: list[tuple[int, int]]
+    """(start, end) rows of the fresh prefills."""
+
+    @classmethod
+    def build(cls, batch: StepBatch) -> _NativePlan:
+        qsl = batch.query_start_loc
+        q_lens = qsl[1:] - qsl[:-1]
+        fresh = (q_lens == batch.seq_lens) & (q_lens > 1)
+        starts, ends = qsl[:-1][fresh].tolist(), qsl[1:][fresh].tolist()
+        return cls(
+            torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int32)),
+            torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int32)),
+            torch.from_numpy(np.flatnonzero(~fresh).astype(np.int32)),
+            list(zip(starts, ends, strict=True)),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if self.seq_ids.numel():
+            cpu_attention.paged_attention_cpu(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                self.query_start_loc,
+                self.seq_ids,
+                scale,
+                sliding_window,
+            )
+        is_gqa = q.shape[1] != k.shape[1]
+        for start, end in self.fresh:
+            n = end - start
+            mask = None
+            if sliding_window is not None and n > sliding_window:
+                i = torch.arange(n)
+                diff = i[:, None] - i[None, :]
+                mask = (diff >= 0) & (diff < sliding_window)
+            o = F.scaled_dot_product_attention(  # (H, n, D) over (Hkv, n, D)
+                q[start:end].transpose(0, 1),
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=is_gqa,
+            )
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+
 class PagedAttention:
     def __init__(
         self,
@@ -158,6 +235,11 @@ class PagedAttention:
                 return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
         self.slot_mapping = put(batch.slot_mapping)
+        self._native: _NativePlan | None = None
+        if ops is TORCH_OPS and device.type == "cpu" and cpu_attention.load():
+            self._native = _NativePlan.build(batch)
+            self._plans = None
+            return
         if ops is TORCH_OPS:
             k_cache = kv_caches[0][0]
             block_size = k_cache.shape[1]
@@ -181,6 +263,8 @@ class PagedAttention:
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
         self.ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if self._native is not None:
+            return self._native.forward(q, k, v, k_cache, v_cache, self.scale, self.sliding_window)
         if self._plans is not None:
             return self._per_sequence(q, k, v, k_cache, v_cache)
         return self.ops.paged_attention(  # host-side maxima spare the kernel a device sync

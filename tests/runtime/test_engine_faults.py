@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kubeinfer.runtime import LLM, SamplingParams
@@ -370,6 +370,20 @@ def check_mix(engine: Engine, mix: list[Spec], seen: Counter[str]) -> None:
     )
 
 
+# Three requests of 42 + 8 tokens in a cache of 6 blocks of 16: two fill it with their prompts,
+# and the first to need a fourth block preempts the other.
+PREEMPTING_MIX = [
+    Spec(
+        "good",
+        (*PREFIXES[2], *range(200, 210)),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        0,
+        None,
+    )
+    for _ in range(3)
+]
+
+
 def test_random_mixes_of_faults_leave_the_engine_whole(engine: Engine) -> None:
     seen: Counter[str] = Counter()
     batches_before = engine.faults.raised["batch"]  # type: ignore[attr-defined]
@@ -383,6 +397,7 @@ def test_random_mixes_of_faults_leave_the_engine_whole(engine: Engine) -> None:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     @given(st.lists(specs(), min_size=1, max_size=10))
+    @example(PREEMPTING_MIX)  # the drawn mixes preempt or not as the sampled tokens fall
     def mixes(mix: list[Spec]) -> None:
         # at most K - 1 = 2 always-failing requests: three solo failures in a row stop the
         # engine on purpose (tested above)

@@ -1,0 +1,300 @@
+// Paged attention for CPU: one step's attention over the paged KV cache, read in place.
+//
+// The same contract as kubeinfer.kernels.paged_attention (see its docstring): q (T, H, D) holds
+// the step's new tokens by sequence per query_start_loc; caches are (num_blocks, block_size, Hkv,
+// D); new token j of sequence i sits at position p = seq_lens[i] - q_len_i + j and sees keys
+// max(0, p - window + 1) .. p. Only the sequences listed in seq_ids are computed (the caller
+// attends fresh prefills with SDPA over their own new k/v), and only their rows of out written.
+//
+// A work item is (sequence, KV head, a chunk of up to QCHUNK new tokens): its rows are the
+// chunk's tokens times the G = H / Hkv query heads sharing that KV head, so every key and value
+// read from the cache (once, converted to float once) serves all of them. Scores go to a buffer
+// of the item's key range, then an exact softmax per row, then the values. Items are spread over
+// ATen's intra-op threads. Keys are read through the block table, never gathered into a copy.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QCHUNK = 16;
+
+struct Item {
+  int32_t seq;
+  int32_t unused;
+  int32_t t0;  // first new token of the chunk, relative to the sequence's first new token
+  int32_t t1;
+};
+
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// exp for x <= 0 (softmax after the max is taken out), vectorizable: 2^(x log2 e) split into an
+// integer power of two and a degree-6 polynomial on [-0.5, 0.5]; relative error < 2e-7.
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = (t - n) * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+// HD: the head dim when known at compile time (the common sizes), else 0 and D at run time.
+template <typename T, int HD>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+         const at::Tensor& query_start_loc, const at::Tensor& seq_ids, double scale,
+         int64_t window) {
+  const int64_t H = q.size(1);
+  const int64_t D = HD > 0 ? HD : q.size(2);
+  const int64_t num_blocks = k_cache.size(0), BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = H / Hkv, row_stride = Hkv * D;
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0), max_blocks = block_tables.size(1);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* ids = seq_ids.data_ptr<int32_t>();
+  const int64_t num_seqs = seq_lens.size(0), num_ids = seq_ids.size(0);
+  const int64_t num_tokens = q.size(0);
+
+  std::vector<Item> items;
+  for (int64_t n = 0; n < num_ids; ++n) {
+    const int32_t s = ids[n];
+    TORCH_CHECK(s >= 0 && s < num_seqs, "seq_ids: ", s, " is not a sequence of the step");
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s] && qsl[s] >= 0 && qsl[s + 1] <= num_tokens,
+                "sequence ", s, ": its queries must lie in q and number at most seq_lens");
+    const int64_t used = (lens[s] + BS - 1) / BS;
+    TORCH_CHECK(used <= max_blocks, "sequence ", s,
+                ": seq_lens needs more blocks than block_tables has");
+    // a bad block id would read outside the cache: check every id the step will touch
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t blk = bt[s * bt_stride + b];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", s, ", ", b, "] = ", blk,
+                  " is not a cache block");
+    }
+    for (int64_t t0 = 0; t0 < q_len; t0 += QCHUNK)
+      items.push_back({s, 0, static_cast<int32_t>(t0),
+                       static_cast<int32_t>(std::min(q_len, t0 + QCHUNK))});
+  }
+
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t block_elems = BS * row_stride;
+
+  // Rows are (token of the chunk, query head) with head h = g * G + gi; every key of a cache
+  // row (all KV heads, contiguous) is read once, in block order, and serves all of them.
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc, kbuf(row_stride), vbuf(row_stride);
+    std::vector<int64_t> row_lo, row_hi;
+    for (int64_t w = begin; w < end; ++w) {
+      const Item it = items[w];
+      const int64_t s = it.seq;
+      const int64_t q_len = qsl[s + 1] - qsl[s];
+      const int64_t ctx = lens[s] - q_len;  // tokens before the step's first new token
+      const int64_t nt = it.t1 - it.t0, R = nt * H;
+      // keys any row of the item may see: lo .. hi (inclusive)
+      const int64_t hi = ctx + it.t1 - 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx + it.t0 - window + 1) : 0;
+      const int64_t nk = hi - lo + 1;
+      qf.resize(R * D);
+      scores.resize(R * nk);
+      acc.assign(R * D, 0.f);
+      row_lo.resize(nt);
+      row_hi.resize(nt);
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        const int64_t tok = qsl[s] + it.t0 + ti, pos = ctx + it.t0 + ti;
+        row_hi[ti] = pos;
+        row_lo[ti] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const T* src = qp + tok * q_tok + h * q_head;
+          float* dst = qf.data() + (ti * H + h) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
+        }
+      }
+      const int32_t* table = bt + s * bt_stride;
+      auto prefetch_block = [&](const T* base, int64_t b) {
+        if (b * BS > hi) return;
+        const char* p = reinterpret_cast<const char*>(base + table[b] * block_elems);
+        for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+          __builtin_prefetch(p + off);
+      };
+      for (int64_t b = lo / BS; b * BS <= hi; ++b) {
+        prefetch_block(kc, b + 1);
+        const T* kb = kc + table[b] * block_elems;
+        const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* kf = as_float<T>(kb + (j - b * BS) * row_stride, kbuf.data(), row_stride);
+          for (int64_t ti = 0; ti < nt; ++ti)
+            for (int64_t h = 0; h < H; ++h) {
+              const int64_t r = ti * H + h;
+              scores[r * nk + (j - lo)] = dot(qf.data() + r * D, kf + (h / G) * D, D);
+            }
+        }
+      }
+      for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
+        const int64_t a = row_lo[ti] - lo, b = row_hi[ti] - lo;
+        for (int64_t h = 0; h < H; ++h) {
+          float* sr = scores.data() + (ti * H + h) * nk;
+          float m = neg_inf;
+          for (int64_t j = a; j <= b; ++j) m = std::max(m, sr[j]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = a; j <= b; ++j) {
+            const float e = exp_nonpos(sr[j] - m);
+            sr[j] = e;
+            sum += e;
+          }
+          const float inv = 1.f / sum;
+#pragma omp simd
+          for (int64_t j = a; j <= b; ++j) sr[j] *= inv;
+        }
+      }
+      for (int64_t b = lo / BS; b * BS <= hi; ++b) {
+        prefetch_block(vc, b + 1);
+        const T* vb = vc + table[b] * block_elems;
+        const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* vf = as_float<T>(vb + (j - b * BS) * row_stride, vbuf.data(), row_stride);
+          for (int64_t ti = 0; ti < nt; ++ti) {
+            if (j < row_lo[ti] || j > row_hi[ti]) continue;
+            for (int64_t h = 0; h < H; ++h) {
+              const int64_t r = ti * H + h;
+              axpy(acc.data() + r * D, scores[r * nk + (j - lo)], vf + (h / G) * D, D);
+            }
+          }
+        }
+      }
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        const int64_t tok = qsl[s] + it.t0 + ti;
+        for (int64_t h = 0; h < H; ++h) {
+          T* dst = op + tok * o_tok + h * o_head;
+          const float* a = acc.data() + (ti * H + h) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void run_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+             const at::Tensor& v_cache, const at::Tensor& block_tables,
+             const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+             const at::Tensor& seq_ids, double scale, int64_t window) {
+  switch (q.size(2)) {
+    case 64:
+      return run<T, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                        seq_ids, scale, window);
+    case 128:
+      return run<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                         seq_ids, scale, window);
+    default:
+      return run<T, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                       seq_ids, scale, window);
+  }
+}
+
+void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                         const at::Tensor& seq_ids, double scale, int64_t sliding_window) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache, &block_tables, &seq_lens,
+                              &query_start_loc, &seq_ids})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_cpu takes CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be (T, H, D) alike");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be (num_blocks, block_size, Hkv, D) alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and the caches differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type() &&
+                  q.scalar_type() == v_cache.scalar_type(),
+              "q, out and the caches must share one dtype");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc, &seq_ids})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1,
+                "block_tables, seq_lens, query_start_loc and seq_ids must be int32, "
+                "contiguous rows");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "block_tables (S, max_blocks), seq_lens (S,), query_start_loc (S + 1,)");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run_dim<float>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids,
+                 scale, sliding_window);
+      break;
+    case at::kBFloat16:
+      run_dim<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                         seq_ids, scale, sliding_window);
+      break;
+    case at::kHalf:
+      run_dim<c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids,
+                     scale, sliding_window);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention_cpu: float32, bfloat16 or float16, got ",
+                  q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kubeinfer_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, Tensor seq_ids, "
+      "float scale, int sliding_window) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention_cpu);
+}
