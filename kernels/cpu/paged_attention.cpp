@@ -54,6 +54,45 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// The 16 sums of 16 vectors, one per lane, in 45 shuffles and adds (16 separate horizontal
+// reductions take ~128): pairs within 64-bit halves, then within 128-bit lanes, then across.
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                  _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                  _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// out[j] = q . k_j for 16 keys k_j = k + j * stride (D a multiple of 16)
+template <int D>
+inline void dot16(float* out, const float* q, const float* k, int64_t stride) {
+  __m512 qv[D / 16], acc[16];
+  for (int d = 0; d < D / 16; ++d) qv[d] = _mm512_loadu_ps(q + 16 * d);
+  for (int j = 0; j < 16; ++j) {
+    const float* kj = k + j * stride;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
+    for (int d = 1; d < D / 16; ++d) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(kj + 16 * d), a);
+    acc[j] = a;
+  }
+  _mm512_storeu_ps(out, hsum16(acc));
+}
+#define KI_HAVE_DOT16 1
+#else
+#define KI_HAVE_DOT16 0
+#endif
+
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -133,7 +172,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   // Rows are (token of the chunk, query head) with head h = g * G + gi; every key of a cache
   // row (all KV heads, contiguous) is read once, in block order, and serves all of them.
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc, kbuf(row_stride), vbuf(row_stride);
+    std::vector<float> qf, scores, acc, kbuf(BS * row_stride), vbuf(BS * row_stride);
     std::vector<int64_t> row_lo, row_hi;
     for (int64_t w = begin; w < end; ++w) {
       const Item it = items[w];
@@ -172,13 +211,19 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         prefetch_block(kc, b + 1);
         const T* kb = kc + table[b] * block_elems;
         const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* kf = as_float<T>(kb + (j - b * BS) * row_stride, kbuf.data(), row_stride);
-          for (int64_t ti = 0; ti < nt; ++ti)
-            for (int64_t h = 0; h < H; ++h) {
-              const int64_t r = ti * H + h;
-              scores[r * nk + (j - lo)] = dot(qf.data() + r * D, kf + (h / G) * D, D);
-            }
+        const float* kt = as_float<T>(kb + (j0 - b * BS) * row_stride, kbuf.data(),
+                                      (j1 - j0) * row_stride);  // rows j0 .. j1 - 1
+        int64_t j = j0;
+        if constexpr (KI_HAVE_DOT16 && HD > 0 && HD % 16 == 0) {
+          for (; j + 16 <= j1; j += 16)
+            for (int64_t r = 0; r < R; ++r)
+              dot16<HD>(scores.data() + r * nk + (j - lo), qf.data() + r * D,
+                        kt + (j - j0) * row_stride + ((r % H) / G) * D, row_stride);
+        }
+        for (; j < j1; ++j) {
+          const float* kf = kt + (j - j0) * row_stride;
+          for (int64_t r = 0; r < R; ++r)
+            scores[r * nk + (j - lo)] = dot(qf.data() + r * D, kf + ((r % H) / G) * D, D);
         }
       }
       for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
@@ -203,14 +248,16 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         prefetch_block(vc, b + 1);
         const T* vb = vc + table[b] * block_elems;
         const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* vf = as_float<T>(vb + (j - b * BS) * row_stride, vbuf.data(), row_stride);
-          for (int64_t ti = 0; ti < nt; ++ti) {
-            if (j < row_lo[ti] || j > row_hi[ti]) continue;
-            for (int64_t h = 0; h < H; ++h) {
-              const int64_t r = ti * H + h;
-              axpy(acc.data() + r * D, scores[r * nk + (j - lo)], vf + (h / G) * D, D);
-            }
+        const float* vt = as_float<T>(vb + (j0 - b * BS) * row_stride, vbuf.data(),
+                                      (j1 - j0) * row_stride);
+        for (int64_t ti = 0; ti < nt; ++ti) {
+          const int64_t a = std::max(j0, row_lo[ti]), e = std::min(j1 - 1, row_hi[ti]);
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t r = ti * H + h;
+            const float* p = scores.data() + r * nk - lo;
+            const float* vh = vt + (h / G) * D - j0 * row_stride;
+            float* y = acc.data() + r * D;
+            for (int64_t j = a; j <= e; ++j) axpy(y, p[j], vh + j * row_stride, D);
           }
         }
       }

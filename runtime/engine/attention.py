@@ -1,7 +1,7 @@
 """PagedAttention: the engine's attention backend for one step, over the paged KV cache.
 
 Every layer stores the step's new k/v by slot, then attends. With the Triton kernels the whole
-step is one varlen launch. On CPU, where the C++ kernel builds (kernels/cpu_attention.py), every
+step is one varlen launch. On CPU, where the C++ kernel builds (kernels/cpu_native.py), every
 sequence that reads the cache (decodes, later chunks, prefix hits) goes through it in one call
 per layer, reading keys in place through the block table, and fresh prefills use causal SDPA
 over their own k/v (`_NativePlan`). Without it (no compiler, or KUBEINFER_CPU_KERNELS=0) the step
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kubeinfer.kernels import cpu_attention
+from kubeinfer.kernels import cpu_native
 from kubeinfer.runtime.engine.batch import StepBatch
 from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
 
@@ -178,7 +178,7 @@ class _NativePlan:
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         if self.seq_ids.numel():
-            cpu_attention.paged_attention_cpu(
+            cpu_native.paged_attention_cpu(
                 out,
                 q,
                 k_cache,
@@ -236,11 +236,11 @@ class PagedAttention:
 
         self.slot_mapping = put(batch.slot_mapping)
         self._native: _NativePlan | None = None
-        if ops is TORCH_OPS and device.type == "cpu" and cpu_attention.load():
+        if ops.name == "torch" and device.type == "cpu" and cpu_native.load():
             self._native = _NativePlan.build(batch)
             self._plans = None
             return
-        if ops is TORCH_OPS:
+        if ops.name == "torch":
             k_cache = kv_caches[0][0]
             block_size = k_cache.shape[1]
             self._groups, grouped = plan_decode_groups(batch, block_size, sliding_window)

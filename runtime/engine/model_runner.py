@@ -30,7 +30,8 @@ from kubeinfer.runtime.engine.staging import HostStaging
 from kubeinfer.runtime.engine.validation import check_token_ids
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
-from kubeinfer.runtime.models.ops import select_kernels
+from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
+from kubeinfer.runtime.models.ops import TORCH_OPS, cpu_native_ops, select_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,20 @@ class ModelRunner:
         )
         self.model: LlamaForCausalLM = model
         self.ops = select_kernels(config.kernels, self.device)
+        if self.ops is TORCH_OPS and self.device.type == "cpu":
+            self.ops = cpu_native_ops() or TORCH_OPS
         model.use_kernels(self.ops)
         self.dtype = model.lm_head.weight.dtype
         self.max_model_len = model.max_positions
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.num_logits = model.lm_head.weight.shape[0]  # the sampler's row width
+        if (
+            self.device.type == "cpu"
+            and self.ops is not TORCH_OPS  # the C++ kernels are on
+            and can_pack(self.dtype)
+        ):
+            logger.info("prepacked %d linear layers for oneDNN", pack_linears(model))
         self.block_size = config.block_size
         self.bytes_per_block = (
             2

@@ -46,6 +46,23 @@ TRITON_OPS = KernelOps(
 )
 
 
+def cpu_native_ops() -> KernelOps | None:
+    """The torch path with the C++ CPU kernels for the elementwise ops (kernels/cpu_native.py),
+    where they build; attention picks its C++ kernel itself (runtime/engine/attention.py)."""
+    from kubeinfer.kernels import cpu_native
+
+    if not cpu_native.load():
+        return None
+    return KernelOps(
+        "torch",
+        cpu_native.rms_norm_cpu,
+        cpu_native.rotary_embedding_cpu,
+        cpu_native.silu_and_mul_cpu,
+        kernels.store_kv_reference,
+        kernels.paged_attention_reference,
+    )
+
+
 def select_kernels(choice: KernelChoice, device: torch.device) -> KernelOps:
     from kubeinfer.kernels.jit import is_interpreting
 

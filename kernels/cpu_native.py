@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel (kernels/cpu/paged_attention.cpp), built on first use.
+"""The engine's C++ kernels for CPU (kernels/cpu/), built on first use: paged attention, and
+the elementwise ops (RMSNorm, SiLU-and-mul, rotary) in one pass each.
 
 The engine's CPU path attends decodes and every sequence with cached context through this
 kernel: it reads keys and values from the paged cache through the block table (no gather into a
@@ -26,10 +27,14 @@ from pathlib import Path
 import torch
 
 from kubeinfer.kernels.checks import KernelInputError
+from kubeinfer.kernels.rms_norm import rms_norm_reference
+from kubeinfer.kernels.rotary_embedding import rotary_embedding_reference
+from kubeinfer.kernels.silu_and_mul import silu_and_mul_reference
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("cpu") / f for f in ("paged_attention.cpp", "elementwise.cpp")]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-DNDEBUG"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -53,8 +58,10 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES), torch.__version__.encode()):
         h.update(part)
+    h.update(sys.version.encode())
+    h.update(" ".join(CFLAGS).encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
 
@@ -110,8 +117,8 @@ def _build_and_load() -> None:
         logger.info("building the CPU attention kernel into %s (once per machine)", build_dir)
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-DNDEBUG"],
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
@@ -119,8 +126,9 @@ def _build_and_load() -> None:
         )
     else:
         torch.ops.load_library(str(lib))
-    if not hasattr(torch.ops.kubeinfer_cpu, "paged_attention"):
-        raise RuntimeError(f"{lib} does not define kubeinfer_cpu::paged_attention")
+    for op in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_neox"):
+        if not hasattr(torch.ops.kubeinfer_cpu, op):
+            raise RuntimeError(f"{lib} does not define kubeinfer_cpu::{op}")
 
 
 def paged_attention_cpu(
@@ -153,3 +161,37 @@ def paged_attention_cpu(
         float(scale),
         int(sliding_window or 0),
     )
+
+
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_reference` in one pass (the fused-residual form stays the reference's)."""
+    if residual is not None or x.ndim != 2 or not x.is_contiguous():
+        return rms_norm_reference(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    torch.ops.kubeinfer_cpu.rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul_reference` in one pass."""
+    if x.ndim != 2 or not x.is_contiguous():
+        return silu_and_mul_reference(x)
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.kubeinfer_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_embedding_reference` (neox layout) in one pass, in place on q and k."""
+    if not is_neox or cos_sin_cache.dtype != torch.float32 or q.stride(2) != 1:
+        return rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox)
+    torch.ops.kubeinfer_cpu.rotary_neox(positions.long().contiguous(), q, k, cos_sin_cache)
+    return q, k

@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from kubeinfer.kernels import cpu_attention, paged_attention_reference
+from kubeinfer.kernels import (
+    cpu_native,
+    paged_attention_reference,
+    rms_norm_reference,
+    rotary_embedding_reference,
+    silu_and_mul_reference,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +27,7 @@ def _built() -> None:
     """Where a C++ compiler is there (CI, the dev machine) the kernel must build."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler: the engine uses its pure-torch path")
-    assert cpu_attention.load(), cpu_attention.load_error()
+    assert cpu_native.load(), cpu_native.load_error()
 
 
 def _step(shape, dtype, *, bs=4, hkv=2, heads=6, d=8, num_blocks=300, seed=0):
@@ -60,7 +66,7 @@ def test_matches_reference(dtype: torch.dtype, d: int, heads: int, hkv: int, win
     )
     out = torch.zeros_like(q)
     ids = torch.arange(len(MIXED), dtype=torch.int32)
-    cpu_attention.paged_attention_cpu(out, q, kc, vc, *meta, ids, 0.3, window)
+    cpu_native.paged_attention_cpu(out, q, kc, vc, *meta, ids, 0.3, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
@@ -74,7 +80,7 @@ def test_only_the_listed_sequences_are_written_and_q_may_be_strided() -> None:
     want = paged_attention_reference(q, kc, vc, *meta, 0.3)
     out = torch.full_like(q, 7.0)
     ids = torch.tensor([1, 4], dtype=torch.int32)
-    cpu_attention.paged_attention_cpu(out, strided, kc, vc, *meta, ids, 0.3)
+    cpu_native.paged_attention_cpu(out, strided, kc, vc, *meta, ids, 0.3)
     qsl = meta[2].tolist()
     written = torch.zeros(q.shape[0], dtype=torch.bool)
     for i in (1, 4):
@@ -90,25 +96,25 @@ def test_a_bad_block_id_or_sequence_id_is_an_error_not_a_read() -> None:
     bad = table.clone()
     bad[3, 2] = kc.shape[0]  # one past the cache
     with pytest.raises(RuntimeError, match=r"block_tables\[3, 2\]"):
-        cpu_attention.paged_attention_cpu(out, q, kc, vc, bad, lens, qsl, ids, 0.3)
+        cpu_native.paged_attention_cpu(out, q, kc, vc, bad, lens, qsl, ids, 0.3)
     bad[3, 2] = -1
     with pytest.raises(RuntimeError, match="not a cache block"):
-        cpu_attention.paged_attention_cpu(out, q, kc, vc, bad, lens, qsl, ids, 0.3)
+        cpu_native.paged_attention_cpu(out, q, kc, vc, bad, lens, qsl, ids, 0.3)
     with pytest.raises(RuntimeError, match="not a sequence"):
-        cpu_attention.paged_attention_cpu(
+        cpu_native.paged_attention_cpu(
             out, q, kc, vc, table, lens, qsl, torch.tensor([len(MIXED)], dtype=torch.int32), 0.3
         )
     long = lens.clone()
     long[0] = table.shape[1] * kc.shape[1] + 1
     with pytest.raises(RuntimeError, match="more blocks"):
-        cpu_attention.paged_attention_cpu(out, q, kc, vc, table, long, qsl, ids, 0.3)
+        cpu_native.paged_attention_cpu(out, q, kc, vc, table, long, qsl, ids, 0.3)
     with pytest.raises(RuntimeError, match="int32"):
-        cpu_attention.paged_attention_cpu(out, q, kc, vc, table.long(), lens, qsl, ids, 0.3)
+        cpu_native.paged_attention_cpu(out, q, kc, vc, table.long(), lens, qsl, ids, 0.3)
 
 
 def test_switched_off_it_is_not_loaded_and_the_engine_keeps_torch() -> None:
     code = (
-        "from kubeinfer.kernels import cpu_attention as c; import sys; "
+        "from kubeinfer.kernels import cpu_native as c; import sys; "
         "sys.exit(0 if c.load() is False and c.load_error() is None else 1)"
     )
     env = {"KUBEINFER_CPU_KERNELS": "0", "PATH": "/usr/bin:/bin"}
@@ -116,8 +122,64 @@ def test_switched_off_it_is_not_loaded_and_the_engine_keeps_torch() -> None:
 
 
 def test_build_key_changes_with_the_source(tmp_path, monkeypatch) -> None:
-    key = cpu_attention.build_key()
+    key = cpu_native.build_key()
     src = tmp_path / "k.cpp"
-    src.write_text(cpu_attention.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", src)
-    assert cpu_attention.build_key() != key
+    src.write_text(cpu_native.SOURCES[1].read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_native, "SOURCES", [cpu_native.SOURCES[0], src])
+    assert cpu_native.build_key() != key
+
+
+# the elementwise kernels: the references' results, with their rounding
+
+ELEMENTWISE_TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    got = cpu_native.rms_norm_cpu(x, w, 1e-5)
+    want = rms_norm_reference(x, w, 1e-5)
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # the fused-residual form is the reference's own
+    r = torch.randn(37, 576, generator=g).to(dtype)
+    out, res = cpu_native.rms_norm_cpu(x, w, 1e-5, r)
+    torch.testing.assert_close(res, x + r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(19, 2 * 1536, generator=g) * 4).to(dtype)
+    x[0, :8] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e-3]).to(dtype)
+    tol = ELEMENTWISE_TOL[dtype]
+    got = cpu_native.silu_and_mul_cpu(x)
+    torch.testing.assert_close(got, silu_and_mul_reference(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rot_dim", [64, 32])
+def test_rotary_matches_reference(dtype: torch.dtype, rot_dim: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(100, rot_dim, generator=g)
+    positions = torch.randint(0, 100, (23,), generator=g)
+    q = torch.randn(23, 9, 64, generator=g).to(dtype)
+    k = torch.randn(23, 3, 64, generator=g).to(dtype)
+    want_q, want_k = rotary_embedding_reference(positions, q.clone(), k.clone(), cache, True)
+    got_q, got_k = cpu_native.rotary_embedding_cpu(positions, q, k, cache, True)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, as the reference
+    tol = ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        cpu_native.rotary_embedding_cpu(torch.tensor([0] * 22 + [100]), q, k, cache, True)
+
+
+def test_the_engine_uses_them_on_cpu() -> None:
+    from kubeinfer.runtime.models.ops import cpu_native_ops
+
+    ops = cpu_native_ops()
+    assert ops is not None and ops.name == "torch"
+    assert ops.rms_norm is cpu_native.rms_norm_cpu
