@@ -68,6 +68,7 @@ bench: venv model
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 	@$(TIMED) bench-serve $(PY) bench/serve.py
 	@$(TIMED) bench-overload $(PY) bench/overload.py
+	@$(TIMED) bench-peer-vllm $(PY) bench/peer_vllm.py --served
 	@$(TIMED) bench-autoscale $(PY) bench/autoscale_sim.py --png docs/autoscale_sim.png
 	@$(PY) hack/readme_sections.py  # the README shows the latest row of each
 

@@ -160,7 +160,7 @@ def start(engine: str, model: Path, dtype: str, port: int) -> subprocess.Popen:
     if engine == "vllm":
         cmd = [str(cache_dir() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
         cmd += ["--model", str(model.resolve()), "--dtype", dtype, "--port", str(port)]
-        cmd += ["--host", "127.0.0.1", "--max-model-len", "2048", "--disable-log-requests"]
+        cmd += ["--host", "127.0.0.1", "--max-model-len", "2048"]
         env, cwd = peer_env(), tempfile.mkdtemp()
     else:
         cmd = [sys.executable, "-m", "kubeinfer", "serve", "--model", str(model.resolve())]
@@ -260,6 +260,9 @@ def main() -> int:
                 f"| {best['ours']:.1f} out tok/s | vLLM {PEER_VERSION} CPU {best['vllm']:.1f} "
                 f"out tok/s | {ratio:.2f}x |\n"
             )
+    with RESULTS.open("a") as f:  # the offline rows stand even if the served part fails
+        f.writelines(rows)
+    rows = []
     if args.served or args.served_only:
         for dtype in args.dtypes:
             res = served(args.model, dtype, args.concurrency)
