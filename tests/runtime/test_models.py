@@ -95,3 +95,35 @@ def test_half_precision_runs_close_to_float32(
         assert ours.dtype == dtype
         rel = ((ours.float() - ref).norm() / ref.norm()).item()
         assert rel < 3e-2, rel
+
+
+def test_cpu_native_bfloat16_is_within_tolerance_of_float32(smollm2_dir: Path) -> None:
+    """The CPU path in bfloat16 (C++ elementwise kernels, oneDNN-prepacked linears) against our
+    float32 on SmolLM2. The tolerance, as for any bfloat16 engine: no further from float32 than
+    the pure-torch bfloat16 path (which is 1-4 % relative L2 on these prompts, bfloat16's own
+    rounding), and the same greedy token wherever float32's top two are more than one logit
+    apart (closer calls may go either way in bfloat16)."""
+    from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
+    from kubeinfer.runtime.models.ops import cpu_native_ops
+    from kubeinfer.runtime.tokenizer import Tokenizer
+
+    ops = cpu_native_ops()
+    if ops is None or not can_pack(torch.bfloat16):
+        pytest.skip("the C++ CPU kernels or oneDNN packing are not available here")
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    prompts = [tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
+    full = our_logits(load_model(smollm2_dir, dtype="float32"), prompts)
+    plain = our_logits(load_model(smollm2_dir, dtype="bfloat16"), prompts)
+    model = load_model(smollm2_dir, dtype="bfloat16")
+    model.use_kernels(ops)
+    assert pack_linears(model) == 30 * 4 + 1  # every projection and the (tied) LM head
+    checked = 0
+    for ours, torch_bf16, ref in zip(our_logits(model, prompts), plain, full, strict=True):
+        rel = ((ours.float() - ref).norm() / ref.norm()).item()
+        rel_plain = ((torch_bf16.float() - ref).norm() / ref.norm()).item()
+        assert rel < 6e-2 and rel <= 1.1 * rel_plain + 1e-3, (rel, rel_plain)
+        top2 = ref.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]) > 1.0
+        assert bool((ours.float().argmax(-1)[sure] == ref.argmax(-1)[sure]).all())
+        checked += int(sure.sum())
+    assert checked > 20
