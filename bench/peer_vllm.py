@@ -58,6 +58,21 @@ def make_requests(n: int) -> list[tuple[list[int], int]]:
 # --- workers: one engine, one dtype, in a process of its own; print one RESULT line ---------
 
 
+def timed(generate, prompts: list, params: list) -> dict[str, object]:  # noqa: ANN001
+    """Warm up on two requests, then time `generate` over all: seconds, output tokens, and each
+    request's first tokens."""
+    generate(prompts[:2], params[:2])
+    start = time.perf_counter()
+    outs = generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {
+        "seconds": seconds,
+        "tokens": sum(map(len, tokens)),
+        "first": [t[:FIRST] for t in tokens],
+    }
+
+
 def worker_ours(model: Path, dtype: str, n: int) -> dict[str, object]:
     from kubeinfer.runtime import LLM, SamplingParams
 
@@ -155,30 +170,16 @@ def run_worker(engine: str, model: Path, dtype: str, n: int) -> dict[str, object
 
 
 def start(engine: str, model: Path, dtype: str, port: int) -> subprocess.Popen:
-    import httpx
+    sys.path.insert(0, str(HERE))
+    from servers import start_server, wait_ready
 
-    if engine == "vllm":
-        cmd = [str(cache_dir() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-        cmd += ["--model", str(model.resolve()), "--dtype", dtype, "--port", str(port)]
-        cmd += ["--host", "127.0.0.1", "--max-model-len", "2048"]
-        env, cwd = peer_env(), tempfile.mkdtemp()
-    else:
-        cmd = [sys.executable, "-m", "kubeinfer", "serve", "--model", str(model.resolve())]
-        cmd += ["--dtype", dtype, "--port", str(port), "--log-level", "warning"]
-        env, cwd = dict(os.environ), None
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{engine} server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"{engine} server not ready in 600 s")
+    if engine == "ours":
+        return start_server(model.resolve(), port, "--dtype", dtype, timeout=600)
+    cmd = [str(cache_dir() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(model.resolve()), "--dtype", dtype, "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--max-model-len", "2048"]
+    proc = subprocess.Popen(cmd, env=peer_env(), cwd=tempfile.mkdtemp(), stdout=subprocess.DEVNULL)
+    return wait_ready(proc, f"http://127.0.0.1:{port}/health", "vllm serve", 600)
 
 
 def served(model: Path, dtype: str, concurrency: list[int]) -> dict[str, dict[int, object]]:
@@ -279,6 +280,9 @@ def main() -> int:
                         + (f" errors {rep.errors}" if rep.errors else "")
                     )
                 ours, peer = res["ours"][c], res["vllm"][c]
+                if ours.num_failed or peer.num_failed:
+                    print(f"  (concurrency {c} had failed requests: no row written)")
+                    continue
                 rows.append(
                     f"| {today} | peer_vllm served | SmolLM2-135M {dtype}, concurrency {c}, "
                     f"128 in / 32 out | ITL p50 {ours.itl_p50_s * 1e3:.1f} ms, "

@@ -14,16 +14,22 @@ def start_server(model: Path, port: int, *args: str, timeout: float = 300) -> su
     """Start `kubeinfer serve --model MODEL --port PORT ARGS...` and wait for /ready."""
     cmd = [sys.executable, "-m", "kubeinfer", "serve", "--model", str(model), "--port", str(port)]
     server = subprocess.Popen([*cmd, "--log-level", "warning", *args])
-    url = f"http://127.0.0.1:{port}"
+    return wait_ready(server, f"http://127.0.0.1:{port}/ready", "kubeinfer serve", timeout)
+
+
+def wait_ready(
+    server: subprocess.Popen, url: str, what: str, timeout: float = 300
+) -> subprocess.Popen:
+    """Poll `url` until it answers 200; a clear exit if the server dies or takes too long."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"kubeinfer serve exited with {server.returncode}")
+            raise SystemExit(f"{what} exited with {server.returncode}")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     server.kill()
-    raise SystemExit(f"server did not become ready in {timeout:.0f} s")
+    raise SystemExit(f"{what} did not become ready in {timeout:.0f} s")

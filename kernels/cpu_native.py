@@ -34,6 +34,7 @@ from kubeinfer.kernels.silu_and_mul import silu_and_mul_reference
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("cpu") / f for f in ("paged_attention.cpp", "elementwise.cpp")]
+HEADERS = [Path(__file__).with_name("cpu") / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-DNDEBUG"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -58,7 +59,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), torch.__version__.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode()):
         h.update(part)
     h.update(sys.version.encode())
     h.update(" ".join(CFLAGS).encode())

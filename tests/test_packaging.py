@@ -76,6 +76,7 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     assert "kubeinfer/operator/__init__.py" in names
     assert "kubeinfer/runtime/models/llama.py" in names
     assert "kubeinfer/kernels/cpu/paged_attention.cpp" in names  # built where it runs
+    assert "kubeinfer/kernels/cpu/common.h" in names
     assert not any(n.startswith(("operator/", "runtime/", "kernels/")) for n in names), names
     target = tmp_path / "site"
     subprocess.run(

@@ -12,11 +12,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
+
+using kubeinfer_cpu::fast_exp;
 
 // float -> bfloat16 bits, round to nearest even, vectorizable (c10's conversion branches on NaN,
 // which keeps loops scalar); a NaN stays a NaN.
@@ -66,28 +70,6 @@ inline float rnd<c10::BFloat16>(float v) {
 template <>
 inline float rnd<float>(float v) {
   return v;
-}
-
-// e^x for any float x, vectorizable: 2^n * p(f), |f| <= ln2 / 2, degree-7 polynomial.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = x - n * 0.693147180559945309f;
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return r;
 }
 
 template <typename T>

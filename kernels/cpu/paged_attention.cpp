@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -25,6 +27,8 @@
 #include <vector>
 
 namespace {
+
+using kubeinfer_cpu::fast_exp;
 
 constexpr int64_t QCHUNK = 16;
 
@@ -96,28 +100,6 @@ inline void dot16(float* out, const float* q, const float* k, int64_t stride) {
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// exp for x <= 0 (softmax after the max is taken out), vectorizable: 2^(x log2 e) split into an
-// integer power of two and a degree-6 polynomial on [-0.5, 0.5]; relative error < 2e-7.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return r;
 }
 
 // HD: the head dim when known at compile time (the common sizes), else 0 and D at run time.
@@ -235,7 +217,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = a; j <= b; ++j) {
-            const float e = exp_nonpos(sr[j] - m);
+            const float e = fast_exp(sr[j] - m);
             sr[j] = e;
             sum += e;
           }
