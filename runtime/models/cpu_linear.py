@@ -8,8 +8,11 @@ weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) and runs
 weight (a tied LM head packs a copy; the embedding keeps its table). Measured on the dev
 machine (Xeon with AMX, 2 threads), bfloat16: 1.3-2x faster at 16-256 rows, even at 1 and 1024.
 
-float32 keeps `linear` (MKL's sgemm): packing saves less there and changes the rounding that
-the greedy parity with transformers is tested against.
+float32, as vLLM's CPU backend does it (oneDNN with prepacked weights): 1.2-1.8x faster than
+MKL's sgemm at 4-32 rows (MKL has a cliff between 2 and 4 rows), even from 64 up, but 1.5-2.5x
+slower at 1-2 rows, where MKL on the plain weight stays: float32 keeps both layouts (twice the
+linear weights' memory) while the plain ones total at most `DUAL_MAX_BYTES`; above that only
+the packed (vLLM's choice). The greedy parity tests with transformers hold with it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def can_pack(dtype: torch.dtype) -> bool:
@@ -46,24 +49,35 @@ def can_pack(dtype: torch.dtype) -> bool:
 _CHECKED: dict[torch.dtype, bool] = {}
 
 
+FEW_ROWS = 2
+"""float32 at this many rows or fewer runs MKL on the plain weight (see the module docstring)."""
+
+
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W held in oneDNN's layout. `weight` is a meta tensor with the
-    plain weight's shape and dtype, for code that only asks about them."""
+    plain weight's shape and dtype, for code that only asks about them; `plain`, when kept,
+    serves the few-row calls."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain: bool = False) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.plain = w.clone() if keep_plain else None  # a tied LM head shares no storage
         self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, shape[-1]), self.packed, self.bias, "none", [], ""
-        )
+        x2 = x.reshape(-1, shape[-1])
+        if self.plain is not None and x2.shape[0] <= FEW_ROWS:
+            return torch.nn.functional.linear(x, self.plain, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
+
+
+DUAL_MAX_BYTES = 4 << 30
+"""float32 keeps the plain weights beside the packed ones while they total at most this."""
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -74,6 +88,9 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
+    size = sum(c.weight.numel() * c.weight.element_size() for _, _, c in targets)
+    keep_plain = bool(targets) and targets[0][2].weight.dtype == torch.float32
+    keep_plain = keep_plain and size <= DUAL_MAX_BYTES
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, keep_plain))
     return len(targets)
