@@ -79,16 +79,7 @@ def worker_ours(model: Path, dtype: str, n: int) -> dict[str, object]:
     requests = make_requests(n)
     llm = LLM(model, dtype=dtype)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
-    llm.generate([p for p, _ in requests[:2]], params[:2])  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params)
-    seconds = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {
-        "seconds": seconds,
-        "tokens": sum(map(len, tokens)),
-        "first": [t[:FIRST] for t in tokens],
-    }
+    return timed(llm.generate, [p for p, _ in requests], params)
 
 
 def worker_vllm(model: Path, dtype: str, n: int) -> dict[str, object]:
@@ -98,16 +89,7 @@ def worker_vllm(model: Path, dtype: str, n: int) -> dict[str, object]:
     llm = LLM(model=str(model), dtype=dtype, seed=0, max_model_len=2048)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return {
-        "seconds": seconds,
-        "tokens": sum(map(len, tokens)),
-        "first": [t[:FIRST] for t in tokens],
-    }
+    return timed(lambda p, s: llm.generate(p, s, use_tqdm=False), prompts, params)
 
 
 def peer_env() -> dict[str, str]:
