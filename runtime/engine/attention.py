@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kubeinfer.kernels import cpu_native
 from kubeinfer.runtime.engine.batch import StepBatch
+from kubeinfer.runtime.models.attention import causal_sdpa, window_mask
 from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
 
 
@@ -149,21 +150,22 @@ class _NativePlan:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     seq_ids: torch.Tensor
-    fresh: list[tuple[int, int]]
-    """(start, end) rows of the fresh prefills."""
+    fresh: list[tuple[int, int, torch.Tensor | None]]
+    """(start, end) rows of the fresh prefills, and each one's window mask (None: causal)."""
 
     @classmethod
-    def build(cls, batch: StepBatch) -> _NativePlan:
+    def build(cls, batch: StepBatch, sliding_window: int | None) -> _NativePlan:
         qsl = batch.query_start_loc
         q_lens = qsl[1:] - qsl[:-1]
         fresh = (q_lens == batch.seq_lens) & (q_lens > 1)
         starts, ends = qsl[:-1][fresh].tolist(), qsl[1:][fresh].tolist()
+        masks = [window_mask(e - s, sliding_window) for s, e in zip(starts, ends, strict=True)]
         return cls(
             torch.from_numpy(np.ascontiguousarray(batch.block_tables, dtype=np.int32)),
             torch.from_numpy(np.ascontiguousarray(batch.seq_lens, dtype=np.int32)),
             torch.from_numpy(np.ascontiguousarray(qsl, dtype=np.int32)),
             torch.from_numpy(np.flatnonzero(~fresh).astype(np.int32)),
-            list(zip(starts, ends, strict=True)),
+            list(zip(starts, ends, masks, strict=True)),
         )
 
     def forward(
@@ -190,24 +192,8 @@ class _NativePlan:
                 scale,
                 sliding_window,
             )
-        is_gqa = q.shape[1] != k.shape[1]
-        for start, end in self.fresh:
-            n = end - start
-            mask = None
-            if sliding_window is not None and n > sliding_window:
-                i = torch.arange(n)
-                diff = i[:, None] - i[None, :]
-                mask = (diff >= 0) & (diff < sliding_window)
-            o = F.scaled_dot_product_attention(  # (H, n, D) over (Hkv, n, D)
-                q[start:end].transpose(0, 1),
-                k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=is_gqa,
-            )
-            out[start:end] = o.transpose(0, 1)
+        for start, end, mask in self.fresh:
+            out[start:end] = causal_sdpa(q[start:end], k[start:end], v[start:end], scale, mask)
         return out
 
 
@@ -237,7 +223,7 @@ class PagedAttention:
         self.slot_mapping = put(batch.slot_mapping)
         self._native: _NativePlan | None = None
         if ops.name == "torch" and device.type == "cpu" and cpu_native.load():
-            self._native = _NativePlan.build(batch)
+            self._native = _NativePlan.build(batch, sliding_window)
             self._plans = None
             return
         if ops.name == "torch":

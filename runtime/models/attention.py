@@ -52,24 +52,38 @@ class CausalAttention:
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for start, end in zip(self.query_start_loc[:-1], self.query_start_loc[1:], strict=True):
-            # (L, H, D) -> (H, L, D) for SDPA
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            mask = self._window_mask(end - start, q.device)
-            o = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=qs.shape[0] != ks.shape[0],
-            )
-            out[start:end] = o.transpose(0, 1)
+            mask = window_mask(end - start, self.sliding_window, q.device)
+            out[start:end] = causal_sdpa(q[start:end], k[start:end], v[start:end], self.scale, mask)
         return out
 
-    def _window_mask(self, n: int, device: torch.device) -> torch.Tensor | None:
-        if self.sliding_window is None or n <= self.sliding_window:
-            return None
-        i = torch.arange(n, device=device)
-        diff = i[:, None] - i[None, :]  # query index - key index
-        return (diff >= 0) & (diff < self.sliding_window)
+
+def window_mask(
+    n: int, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """(n, n) True where query i sees key j (j <= i, i - j < window); None when plain causal."""
+    if sliding_window is None or n <= sliding_window:
+        return None
+    i = torch.arange(n, device=device)
+    diff = i[:, None] - i[None, :]  # query index - key index
+    return (diff >= 0) & (diff < sliding_window)
+
+
+def causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One whole sequence over its own keys: q (n, H, D), k and v (n, Hkv, D) -> (n, H, D);
+    causal, or `mask` (from `window_mask`) when given."""
+    o = F.scaled_dot_product_attention(  # (H, n, D) over (Hkv, n, D)
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return o.transpose(0, 1)

@@ -6,7 +6,8 @@ of the cost. `pack_linears(model)` replaces each `nn.Linear` with a `PackedLinea
 weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`) and runs
 `torch.ops.mkldnn._linear_pointwise` (what inductor's CPU freezing emits), and frees the plain
 weight (a tied LM head packs a copy; the embedding keeps its table). Measured on the dev
-machine (Xeon with AMX, 2 threads), bfloat16: 1.3-2x faster at 16-256 rows, even at 1 and 1024.
+machine (Xeon with AMX, 2 threads), bfloat16: 1.3-2x faster at 16-256 rows, about even at 1,
+mixed at 1024 (0.6-1.1x over four layer shapes).
 
 float32, as vLLM's CPU backend does it (oneDNN with prepacked weights): 1.2-1.8x faster than
 MKL's sgemm at 4-32 rows (MKL has a cliff between 2 and 4 rows), even from 64 up, but 1.5-2.5x
@@ -64,7 +65,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.plain = w.clone() if keep_plain else None  # a tied LM head shares no storage
+        self.plain = w if keep_plain else None  # the same storage (a tied head: the embedding's)
         self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
