@@ -1,11 +1,13 @@
 """The engine's C++ kernels for CPU (kernels/cpu/), built on first use: paged attention, and
-the elementwise ops (RMSNorm, SiLU-and-mul, rotary) in one pass each.
+the elementwise ops (RMSNorm, SiLU-and-mul, rotary, the KV store) in one pass each.
 
 The engine's CPU path attends decodes and every sequence with cached context through this
 kernel: it reads keys and values from the paged cache through the block table (no gather into a
-copy), converts each once to float32 for all the query heads that share it, and spreads (sequence,
-KV head, query chunk) items over ATen's threads. Fresh prefills keep SDPA's flash kernel, which
-is faster for a long causal block with no cache to read.
+copy), each key and value once for all the query heads that share it, and spreads (sequence,
+query chunk) items over ATen's threads. For head dims 64 and 128 with AVX-512 it takes the scores
+straight from the cache's type (bfloat16 dot products where the CPU has them) and accumulates
+the values in registers. Fresh prefills keep SDPA's flash kernel, which is faster for a long
+causal block with no cache to read.
 
 It is a C++ extension compiled with the machine's g++ (`torch.utils.cpp_extension`, ninja) into
 `~/.cache/kubeinfer/ext/<key>/`, keyed by the source, torch, Python and the CPU's flags (it is
@@ -30,6 +32,7 @@ from kubeinfer.kernels.checks import KernelInputError
 from kubeinfer.kernels.rms_norm import rms_norm_reference
 from kubeinfer.kernels.rotary_embedding import rotary_embedding_reference
 from kubeinfer.kernels.silu_and_mul import silu_and_mul_reference
+from kubeinfer.kernels.store_kv import store_kv_reference
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ def _build_and_load() -> None:
         )
     else:
         torch.ops.load_library(str(lib))
-    for op in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_neox"):
+    for op in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_neox", "store_kv"):
         if not hasattr(torch.ops.kubeinfer_cpu, op):
             raise RuntimeError(f"{lib} does not define kubeinfer_cpu::{op}")
 
@@ -196,3 +199,20 @@ def rotary_embedding_cpu(
         return rotary_embedding_reference(positions, q, k, cos_sin_cache, is_neox)
     torch.ops.kubeinfer_cpu.rotary_neox(positions.long().contiguous(), q, k, cos_sin_cache)
     return q, k
+
+
+def store_kv_cpu(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`store_kv_reference` in one call: rows copied by slot, -1 skipped, a slot past the cache
+    an error before anything is written."""
+    if k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2] or k.stride(2) != 1:
+        return store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    try:
+        torch.ops.kubeinfer_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    except RuntimeError as e:
+        raise KernelInputError(str(e).splitlines()[0]) from e

@@ -209,6 +209,45 @@ void rotary_neox(const at::Tensor& positions, at::Tensor q, at::Tensor k,
   KI_DISPATCH(q.scalar_type(), "rotary", rotary_impl<scalar>(positions, q, k, cache));
 }
 
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.device().is_cpu() && k.dim() == 3 && v.sizes() == k.sizes() &&
+                  k.dtype() == v.dtype(),
+              "store_kv: k and v must be (T, Hkv, D) CPU tensors alike");
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2),
+              "store_kv: each token's heads of k and v must be contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) * k_cache.size(3) == row && k_cache.size(3) == k.size(2) &&
+                  k_cache.dtype() == k.dtype() && v_cache.dtype() == k.dtype(),
+              "store_kv: caches must be contiguous (num_blocks, block_size, Hkv, D) of k's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                  (slot_mapping.scalar_type() == at::kLong ||
+                   slot_mapping.scalar_type() == at::kInt),
+              "store_kv: slot_mapping must be (T,) int64 or int32");
+  const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)  // all checked before any write: a bad step changes nothing
+    TORCH_CHECK(sp[t] < num_slots, "store_kv: slot_mapping[", t, "] = ", sp[t],
+                " is past the cache (", num_slots, " slots)");
+  const int64_t bytes = row * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;  // padding: not stored
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kubeinfer_cpu, m) {
@@ -218,4 +257,8 @@ TORCH_LIBRARY_FRAGMENT(kubeinfer_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
+  m.def(
+      "store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping)"
+      " -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
 }

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.config import EngineConfig, default_batched_tokens
 from kubeinfer.runtime.engine.isolation import StepFailures, failure_message
 from kubeinfer.runtime.engine.kv_cache import KVCacheManager
 from kubeinfer.runtime.engine.model_runner import ModelRunner
@@ -62,6 +62,9 @@ class Engine:
         on_progress: ProgressCallback | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        if self.config.max_num_batched_tokens is None:
+            budget = default_batched_tokens(device)
+            self.config = self.config.model_copy(update={"max_num_batched_tokens": budget})
         model_dir = Path(model_dir)
         self.tokenizer = (
             Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None

@@ -27,6 +27,12 @@ class SamplingRow:
     """Tokens that may not be sampled now (EOS and stop tokens before min_tokens)."""
 
 
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`: the first index of each row's maximum (NaN counts as the maximum), by
+    `max`, which is 2.5-5x faster than `argmax` on CPU for a batch of vocabulary rows."""
+    return x.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.device = device
@@ -44,7 +50,7 @@ class Sampler:
             if row.banned_token_ids:
                 banned = [t for t in row.banned_token_ids if 0 <= t < vocab]
                 logits[i, banned] = float("-inf")
-        tokens = logits.argmax(dim=-1)
+        tokens = first_argmax(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
             idx = torch.tensor(random_rows, device=logits.device)
@@ -53,7 +59,7 @@ class Sampler:
             for j, i in enumerate(random_rows):  # seeded rows draw from their own stream
                 if rows[i].generator is not None:
                     race[j].exponential_(generator=rows[i].generator)
-            tokens[idx] = (probs / race).argmax(dim=-1)
+            tokens[idx] = first_argmax(probs / race)
         return tokens.tolist()
 
     def skip_draws(self, generator: torch.Generator, num_tokens: int, vocab: int) -> None:

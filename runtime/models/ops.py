@@ -58,7 +58,7 @@ def cpu_native_ops() -> KernelOps | None:
         cpu_native.rms_norm_cpu,
         cpu_native.rotary_embedding_cpu,
         cpu_native.silu_and_mul_cpu,
-        kernels.store_kv_reference,
+        cpu_native.store_kv_cpu,
         kernels.paged_attention_reference,
     )
 

@@ -46,7 +46,7 @@ class RequestLimits:
             max_stop_token_ids=s.max_stop_token_ids,
             max_chat_messages=s.max_chat_messages,
             max_queued_requests=s.max_queued_requests or 4 * s.max_num_seqs,
-            max_queued_tokens=s.max_queued_tokens or 16 * s.max_num_batched_tokens,
+            max_queued_tokens=s.max_queued_tokens or 16 * s.batched_tokens(),
         )
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.config import EngineConfig, default_batched_tokens
 
 
 class ServerSettings(BaseSettings):
@@ -31,7 +31,8 @@ class ServerSettings(BaseSettings):
     device: str = "cpu"
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Token budget of one step; default: 8192 on a GPU, 2048 on CPU (vLLM's served defaults)."""
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     kv_cache_memory_bytes: int = Field(2 << 30, ge=1 << 20)
@@ -93,11 +94,14 @@ class ServerSettings(BaseSettings):
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
 
+    def batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or default_batched_tokens(self.device, serving=True)
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=self.batched_tokens(),
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_fraction=self.kv_cache_memory_fraction,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,

@@ -19,7 +19,9 @@ from kubeinfer.kernels import (
     rms_norm_reference,
     rotary_embedding_reference,
     silu_and_mul_reference,
+    store_kv_reference,
 )
+from kubeinfer.kernels.checks import KernelInputError
 
 
 @pytest.fixture(autouse=True)
@@ -57,10 +59,17 @@ MIXED = [(1, 9), (5, 13), (1, 1), (1, 22), (37, 60), (20, 20), (1, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d,heads,hkv", [(64, 9, 3), (128, 4, 4), (24, 8, 2)])
+@pytest.mark.parametrize(
+    "d,heads,hkv,bs",
+    [(64, 9, 3, 4), (128, 4, 4, 4), (24, 8, 2, 4), (64, 16, 2, 16), (128, 6, 1, 32)],
+)
 @pytest.mark.parametrize("window", [None, 7])
-def test_matches_reference(dtype: torch.dtype, d: int, heads: int, hkv: int, window) -> None:
-    q, kc, vc, meta = _step(MIXED, dtype, heads=heads, hkv=hkv, d=d)
+def test_matches_reference(
+    dtype: torch.dtype, d: int, heads: int, hkv: int, bs: int, window
+) -> None:
+    """bs 4 puts key runs shorter than the 16-key vector step at every block's edge; 16 and 32
+    give whole runs; 16 and 6 query heads per KV head span several register row groups."""
+    q, kc, vc, meta = _step(MIXED, dtype, heads=heads, hkv=hkv, d=d, bs=bs)
     want = paged_attention_reference(
         q.float(), kc.float(), vc.float(), *meta, 0.3, sliding_window=window
     )
@@ -183,3 +192,30 @@ def test_the_engine_uses_them_on_cpu() -> None:
     ops = cpu_native_ops()
     assert ops is not None and ops.name == "torch"
     assert ops.rms_norm is cpu_native.rms_norm_cpu
+
+
+# store_kv: the step's new keys and values into the cache by slot
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_matches_reference(dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, 5, 8, generator=g).to(dtype)  # a fused projection: k, v are views
+    k, v = qkv[:, 1:3], qkv[:, 3:5]
+    slots = torch.tensor([5, -1, 0, 63, 17, -1, 40], dtype=slot_dtype)
+    want = [torch.randn(4, 16, 2, 8, generator=g).to(dtype) for _ in range(2)]
+    got = [c.clone() for c in want]
+    store_kv_reference(k.contiguous(), v.contiguous(), *want, slots)
+    cpu_native.store_kv_cpu(k, v, *got, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing() -> None:
+    k = v = torch.ones(3, 2, 8)
+    caches = [torch.zeros(4, 16, 2, 8) for _ in range(2)]
+    with pytest.raises(KernelInputError, match=r"slot_mapping\[2\] = 64"):
+        cpu_native.store_kv_cpu(k, v, *caches, torch.tensor([0, 1, 64]))
+    assert not caches[0].any() and not caches[1].any()
+    with pytest.raises(KernelInputError, match="dtype"):
+        cpu_native.store_kv_cpu(k.double(), v.double(), *caches, torch.tensor([0, 1, 2]))

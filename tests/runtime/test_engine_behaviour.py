@@ -208,6 +208,12 @@ def test_unknown_engine_arg_is_rejected(tiny_models: dict[str, Path]) -> None:
         LLM(tiny_models["llama-gqa"], num_kv_blockz=3)
 
 
+def test_the_step_budget_defaults_to_vllms_cpu_one(tiny_llm: LLM) -> None:
+    """Unset, a CPU engine's step budget is vLLM's offline CPU default (4096), not the GPU's."""
+    assert tiny_llm.engine.config.max_num_batched_tokens == 4096
+    assert tiny_llm.engine.scheduler.max_num_batched_tokens == 4096
+
+
 def test_async_engine_streams_and_cancels(smol_llm: LLM) -> None:
     engine = AsyncEngine(smol_llm.engine)
     engine.start()
@@ -250,3 +256,16 @@ def test_async_engine_streams_and_cancels(smol_llm: LLM) -> None:
             asyncio.run(anext(engine.generate([])))  # type: ignore[arg-type]
     finally:
         engine.stop()
+
+
+def test_first_argmax_is_argmax_with_its_ties_and_nans() -> None:
+    import torch
+
+    from kubeinfer.runtime.engine.sampler import first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 300), generator=g).float()  # many ties: the first index wins
+    x[3, 7] = x[5, 0] = float("nan")
+    x[9] = float("-inf")
+    for t in (x, x.bfloat16()):
+        assert torch.equal(first_argmax(t), t.argmax(dim=-1))

@@ -29,6 +29,11 @@ def test_defaults_follow_the_model_and_the_batch() -> None:
     assert lim.max_request_bytes == 8 * 32 * 8192  # 2 MiB for an 8k context
     assert RequestLimits.from_settings(s, 128).max_request_bytes == 1 << 20  # at least 1 MiB
     assert lim.max_queued_requests == 32 and lim.max_queued_tokens == 16 * 512
+    unset = ServerSettings(model=Path("/m"))  # vLLM's served step budgets: CPU 2048, GPU 8192
+    assert unset.engine_config().max_num_batched_tokens == 2048
+    assert RequestLimits.from_settings(unset, 8192).max_queued_tokens == 16 * 2048
+    cuda = ServerSettings(model=Path("/m"), device="cuda")
+    assert cuda.engine_config().max_num_batched_tokens == 8192
     given = ServerSettings(model=Path("/m"), max_request_bytes=4096, max_queued_requests=3)
     lim = RequestLimits.from_settings(given, 8192)
     assert lim.max_request_bytes == 4096 and lim.max_queued_requests == 3
