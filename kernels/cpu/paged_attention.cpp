@@ -27,6 +27,8 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -41,7 +43,7 @@ constexpr int64_t QCHUNK = 16;
 
 struct Item {
   int32_t seq;
-  int32_t unused;
+  int32_t cost;  // rows x keys: items run longest first
   int32_t t0;  // first new token of the chunk, relative to the sequence's first new token
   int32_t t1;
 };
@@ -192,11 +194,17 @@ std::vector<Item> build_items(const at::Tensor& block_tables, const at::Tensor& 
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", s, ", ", b, "] = ", blk,
                   " is not a cache block");
     }
-    for (int64_t t0 = 0; t0 < q_len; t0 += QCHUNK)
-      items.push_back({s, 0, static_cast<int32_t>(t0),
-                       static_cast<int32_t>(std::min(q_len, t0 + QCHUNK))});
+    for (int64_t t0 = 0; t0 < q_len; t0 += QCHUNK) {
+      const int64_t t1 = std::min(q_len, t0 + QCHUNK);
+      const int64_t cost = std::min<int64_t>((t1 - t0) * (lens[s] - q_len + t1), INT32_MAX);
+      items.push_back({s, static_cast<int32_t>(cost), static_cast<int32_t>(t0),
+                       static_cast<int32_t>(t1)});
+    }
   }
-
+  // longest first, each thread taking the next item (for_each_item): a step's sequences differ
+  // in length by 10x and more, and an even split by count leaves a thread idle
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
   return items;
 }
 
@@ -231,10 +239,12 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 
   // Rows are (token of the chunk, query head) with head h = g * G + gi; every key of a cache
   // row (all KV heads, contiguous) is read once, in block order, and serves all of them.
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf, scores, acc, kbuf(BS * row_stride), vbuf(BS * row_stride);
     std::vector<int64_t> row_lo, row_hi;
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item it = items[w];
       const int64_t s = it.seq;
       const int64_t q_len = qsl[s + 1] - qsl[s];
@@ -369,10 +379,12 @@ void run_fast(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t block_elems = BS * row_stride;
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf, scores, inv, acc;
     std::vector<int64_t> row_lo, row_hi;
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item it = items[w];
       const int64_t s = it.seq;
       const int64_t q_len = qsl[s + 1] - qsl[s];
