@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubeinfer.operator.settings import OperatorSettings
-from kubeinfer.operator.spec import InferenceModelSpec, ModelSource, parse_model_uri, parse_spec
+from kubeinfer.operator.spec import (
+    InferenceModelSpec,
+    InvalidSpecError,
+    ModelSource,
+    check_hostpath,
+    parse_model_uri,
+    parse_spec,
+)
 
 Manifest = dict[str, Any]
 
@@ -38,6 +45,36 @@ APP_NAME = "kubeinfer-runtime"
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+#: `kubeinfer serve` flags the operator sets and `spec.runtime.extraArgs` must not: the address
+#: and ports the probes, Services and the autoscaler rely on, the model and its name, the API
+#: key (from apiKeySecretRef only), the SIGTERM timings the grace period is computed from, and
+#: the runtime's test hook. The CRD refuses them with a CEL rule (a test keeps both in step).
+MANAGED_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--probe-port",
+    "--api-key",
+    "--shutdown-delay",
+    "--drain-timeout",
+    "--metrics-fault-file",
+)
+#: The downward-API variables the operator sets (`--host $(POD_IP)`) and the managed flags as
+#: environment variables (`KUBEINFER_<FLAG>`): spec.runtime.env must not set them. The test
+#: hook's variable stays open: the autoscaler's cluster test sets it per pod, and it only
+#: fails the model's own /metrics.
+TEST_HOOK_FLAG = "--metrics-fault-file"
+MANAGED_ENV = (
+    "POD_IP",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    *(
+        "KUBEINFER_" + f.removeprefix("--").replace("-", "_").upper()
+        for f in MANAGED_FLAGS
+        if f != TEST_HOOK_FLAG
+    ),
+)
 #: terminationGracePeriodSeconds beyond the runtime's shutdown delay and drain timeout.
 GRACE_MARGIN_S = 15
 
@@ -88,10 +125,24 @@ def render(model: Mapping[str, Any], config: OperatorSettings) -> list[Manifest]
     """The children of `model` (an InferenceModel as the API returns it); InvalidSpecError
     when its spec cannot be served."""
     spec = parse_spec(model.get("spec") or {})
+    check_managed(spec)
     manifests = [render_deployment(model, spec, config), render_service(model)]
     if wants_pdb(spec):
         manifests.append(render_pdb(model))
     return manifests
+
+
+def check_managed(spec: InferenceModelSpec) -> None:
+    """InvalidSpecError when extraArgs or env set what the operator manages (the CRD refuses
+    it too; this covers objects stored under an older CRD)."""
+    for arg in spec.runtime.extra_args:
+        if arg.split("=", 1)[0] in MANAGED_FLAGS:
+            raise InvalidSpecError(
+                f"spec.runtime.extraArgs: {arg.split('=', 1)[0]} is set by the operator"
+            )
+    for var in spec.runtime.env:
+        if var.name in MANAGED_ENV:
+            raise InvalidSpecError(f"spec.runtime.env: {var.name} is set by the operator")
 
 
 def _metadata(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +160,7 @@ def render_deployment(
 ) -> Manifest:
     name = model["metadata"]["name"]
     source = parse_model_uri(spec.model.uri)
+    check_hostpath(source, is_allowed=config.allow_hostpath, prefixes=config.hostpath_prefixes)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the runtime never calls the API server
         "enableServiceLinks": False,  # a Service named `kubeinfer` would set KUBEINFER_PORT

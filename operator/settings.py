@@ -6,6 +6,7 @@ One field per setting; the env var is the field name upper-cased with the prefix
 
 from __future__ import annotations
 
+import posixpath
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -50,6 +51,13 @@ class OperatorSettings(BaseSettings):
     """Then it refuses new requests and finishes those in flight for up to this long
     (`--drain-timeout`). The pods' terminationGracePeriodSeconds is the sum of both plus
     `manifests.GRACE_MARGIN_S`."""
+    allow_hostpath: bool = False
+    """Serve `hostpath://` model URIs (a folder of the node mounted into the pod: dev clusters
+    and single-node setups). Off, such a model goes Failed: anyone who may create an
+    InferenceModel could otherwise mount any folder of the node."""
+    hostpath_prefixes: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """The absolute folders a `hostpath://` model must lie in (comma-separated in env); with
+    `allow_hostpath` on and none given, no hostpath model is served."""
     shm_size: str = "2Gi"
     """Size limit of the /dev/shm emptyDir (medium Memory) of the runtime containers."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -60,6 +68,22 @@ class OperatorSettings(BaseSettings):
         if isinstance(value, str):
             return [ns.strip() for ns in value.split(",") if ns.strip()]
         return value
+
+    @field_validator("hostpath_prefixes", mode="before")
+    @classmethod
+    def _split_prefixes(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("hostpath_prefixes")
+    @classmethod
+    def _absolute_prefixes(cls, prefixes: list[str]) -> list[str]:
+        for prefix in prefixes:
+            is_normal = posixpath.normpath(prefix) == (prefix.rstrip("/") or "/")
+            if not prefix.startswith("/") or not is_normal:
+                raise ValueError(f"hostpath prefix {prefix!r} is not a normalized absolute path")
+        return [p.rstrip("/") or "/" for p in prefixes]
 
     @property
     def is_clusterwide(self) -> bool:

@@ -131,14 +131,40 @@ def parse_model_uri(uri: str) -> ModelSource:
     """spec.model.uri -> ModelSource; InvalidSpecError names what is wrong."""
     if "/../" in uri or uri.endswith("/.."):
         raise InvalidSpecError(f"spec.model.uri {uri!r} must not contain '..' segments")
+    if "$(" in uri:  # the path reaches the container's args, where Kubernetes expands $(VAR)
+        raise InvalidSpecError(f"spec.model.uri {uri!r} must not contain '$('")
     if match := _PVC.match(uri):
         return ModelSource("pvc", claim=match["claim"], path=match["path"].strip("/"))
     if match := _HOSTPATH.match(uri):
-        return ModelSource("hostpath", path=match["path"].rstrip("/") or "/")
+        path = match["path"].rstrip("/") or "/"
+        if any(part in ("", ".", "..") for part in path.split("/")[1:]):
+            raise InvalidSpecError(
+                f"spec.model.uri {uri!r}: a hostpath:// path has no '.', '..' or empty segments"
+            )
+        return ModelSource("hostpath", path=path)
     if match := _HF.match(uri):
         return ModelSource("hf", repo=match["repo"], revision=match["rev"] or "")
     raise InvalidSpecError(
         f"spec.model.uri {uri!r} is not pvc://CLAIM[/PATH], hostpath:///abs/path or hf://ORG/NAME"
+    )
+
+
+def check_hostpath(source: ModelSource, *, is_allowed: bool, prefixes: list[str]) -> None:
+    """InvalidSpecError unless a hostpath source is allowed and lies under one of `prefixes`
+    (normalized absolute folders); other schemes always pass."""
+    if source.scheme != "hostpath":
+        return
+    if not is_allowed:
+        raise InvalidSpecError(
+            "spec.model.uri: hostpath:// models are turned off in this operator's settings "
+            "(KUBEINFER_OPERATOR_ALLOW_HOSTPATH); use pvc:// or hf://"
+        )
+    for prefix in prefixes:
+        if prefix == "/" or source.path == prefix or source.path.startswith(prefix + "/"):
+            return
+    allowed = ", ".join(prefixes) or "none configured"
+    raise InvalidSpecError(
+        f"spec.model.uri: hostpath {source.path} is not under an allowed folder ({allowed})"
     )
 
 

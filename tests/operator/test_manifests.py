@@ -11,7 +11,7 @@ from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError
 from tests.operator.conftest import example_model, make_model
 
-CONFIG = OperatorSettings()
+CONFIG = OperatorSettings(allow_hostpath=True, hostpath_prefixes=["/srv/models", "/data"])
 
 
 def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
