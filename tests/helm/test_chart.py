@@ -176,6 +176,7 @@ def test_clusterwide_rbac(helm: Helm) -> None:
     assert ("apps", "deployments/scale", "patch") in rules
     assert ("", "events", "create") in rules
     assert ("", "pods", "watch") in rules
+    assert ("apps", "replicasets", "watch") in rules  # pods are matched through their owners
     assert ("", "pods", "delete") not in rules
     assert ("apps", "deployments", "delete") not in rules
     assert ("", "namespaces", "list") not in rules  # kopf lists them only when namespaced
