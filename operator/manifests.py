@@ -1,7 +1,8 @@
 """What should exist for one InferenceModel: `render(model, config) -> list[manifest]` (pure).
 
 A Deployment of the runtime (the runtime contract of DESIGN.md: command, POD_IP, probes, GPU
-limits, a read-only model volume, a locked-down security context, a GPU-safe rollout), a
+limits, a read-only model volume, a locked-down security context, a zero-downtime rollout by
+default, SIGTERM timings and grace period in step with the readiness probe), a
 Service (port 8000, named http) and, when more than one replica is asked for, a
 PodDisruptionBudget. Each is owned by the model (controller owner reference), so deleting the
 model garbage-collects them. When autoscaling is on the Deployment carries no `replicas`: the
@@ -75,6 +76,7 @@ MANAGED_ENV = (
         if f != TEST_HOOK_FLAG
     ),
 )
+READINESS_PERIOD_S = 2
 #: terminationGracePeriodSeconds beyond the runtime's shutdown delay and drain timeout.
 GRACE_MARGIN_S = 15
 
@@ -180,10 +182,14 @@ def render_deployment(
         pod_spec["initContainers"] = [_downloader(source, config)]
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name)},
-        # A GPU node rarely has a spare accelerator for a surge pod: replace one at a time.
+        # Default: a new pod is Ready before an old one goes (zero downtime; it needs room for
+        # one more pod); spec.rollout trades that for clusters with no spare accelerator.
         "strategy": {
             "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
         },
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": config.startup_budget_s + 600,
@@ -203,6 +209,15 @@ def termination_grace_s(config: OperatorSettings) -> int:
     """Covers the runtime's whole SIGTERM sequence: the shutdown delay, the drain, and its
     exit (closing connections, joining the engine: at most 7 s, see runtime/server/serve.py)."""
     return config.shutdown_delay_s + config.drain_timeout_s + GRACE_MARGIN_S
+
+
+def readiness_failure_threshold(config: OperatorSettings) -> int:
+    """Failed /ready reads before a pod counts as unready, so that it does within the
+    runtime's shutdown delay (less a second for the status to travel): on SIGTERM the pod
+    keeps serving that long with /ready failing, and clients that pick ready pods (routers,
+    the dev cluster's clients; Services drop terminating pods at once) must have left it
+    before it refuses work. With no delay there is nothing to fit: one failure."""
+    return max(1, (config.shutdown_delay_s - 1) // READINESS_PERIOD_S)
 
 
 def model_path(source: ModelSource) -> str:
@@ -293,7 +308,9 @@ def _runtime_container(
         "startupProbe": _probe(
             "/ready", startup_period_s, max(1, config.startup_budget_s // startup_period_s), 2
         ),
-        "readinessProbe": _probe("/ready", 2, 3, 2),
+        "readinessProbe": _probe(
+            "/ready", READINESS_PERIOD_S, readiness_failure_threshold(config), 2
+        ),
         "livenessProbe": _probe("/health", 10, 3, 5),
         "resources": {"requests": requests, "limits": limits},
         "securityContext": {

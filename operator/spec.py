@@ -90,6 +90,20 @@ class AutoscalingSpec(_Spec):
     scrape_interval_seconds: int = Field(5, alias="scrapeIntervalSeconds", ge=1)
 
 
+IntOrPercent = int | str
+
+
+def _is_zero(value: IntOrPercent) -> bool:
+    return str(value) in ("0", "0%")
+
+
+class RolloutSpec(_Spec):
+    """spec.rollout: the Deployment's RollingUpdate bounds (the CRD checks their form)."""
+
+    max_surge: IntOrPercent = Field(1, alias="maxSurge")
+    max_unavailable: IntOrPercent = Field(0, alias="maxUnavailable")
+
+
 class SecretKeyRef(_Spec):
     name: str = ""
     key: str = ""
@@ -105,6 +119,7 @@ class InferenceModelSpec(_Spec):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     replicas: int = Field(1, ge=0)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
 
@@ -177,6 +192,19 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidSpecError(f"spec.{where}: {first['msg']}") from exc
     parse_model_uri(parsed.model.uri)
+    rollout = parsed.rollout
+    for field_name, value in (
+        ("maxSurge", rollout.max_surge),
+        ("maxUnavailable", rollout.max_unavailable),
+    ):
+        if isinstance(value, str) and not re.fullmatch(r"[0-9]{1,3}%", value):
+            raise InvalidSpecError(
+                f"spec.rollout.{field_name}: {value!r} is not a count or a percentage"
+            )
+        if isinstance(value, int) and value < 0:
+            raise InvalidSpecError(f"spec.rollout.{field_name} must not be negative")
+    if _is_zero(rollout.max_surge) and _is_zero(rollout.max_unavailable):
+        raise InvalidSpecError("spec.rollout.maxSurge and maxUnavailable cannot both be 0")
     if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
         raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
     names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]

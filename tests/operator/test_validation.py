@@ -181,6 +181,22 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         )
         for name in MANAGED_ENV
     ),
+    ("rollout never progresses", with_spec("spec.rollout", {"maxSurge": 0}), "spec.rollout"),
+    (
+        "rollout both zero percent",
+        with_spec("spec.rollout", {"maxSurge": "0%", "maxUnavailable": 0}),
+        "spec.rollout",
+    ),
+    (
+        "rollout surge text",
+        with_spec("spec.rollout", {"maxSurge": "lots"}),
+        "spec.rollout.maxSurge",
+    ),
+    (
+        "rollout negative",
+        with_spec("spec.rollout", {"maxUnavailable": -1}),
+        "spec.rollout.maxUnavailable",
+    ),
     ("unknown spec field", with_spec("spec.gpuCount", 2), "spec.gpuCount"),
     ("unknown nested field", with_spec("spec.runtime", {"maxSeqs": 8}), "spec.runtime.maxSeqs"),
     ("name not DNS-1035", with_spec("metadata.name", "1model"), "metadata.name"),
@@ -237,6 +253,17 @@ def test_unmanaged_args_and_env_are_accepted(
     dev_cluster: DevClusterHandle, crd_ns: str, spec_runtime: dict[str, Any]
 ) -> None:
     body = with_spec("spec.runtime", spec_runtime)
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [{}, {"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": "25%"}, {"maxUnavailable": "50%"}],
+)
+def test_rollout_bounds_are_accepted(
+    dev_cluster: DevClusterHandle, crd_ns: str, rollout: dict[str, Any]
+) -> None:
+    body = with_spec("spec.rollout", rollout)
     wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
 
 
