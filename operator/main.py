@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 import kopf
@@ -21,17 +20,6 @@ from kubeinfer.operator.reconciler import Reconciler
 from kubeinfer.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
-
-
-def _sync_api_client() -> Any:
-    """A blocking kubernetes ApiClient for the autoscaler daemon (memo["api_client"])."""
-    from kubernetes import client, config
-
-    kubeconfig = os.environ.get("KUBECONFIG")
-    if not kubeconfig and os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token"):
-        config.load_incluster_config()
-        return client.ApiClient()
-    return config.new_client_from_config(config_file=kubeconfig or None)
 
 
 async def run_operator(
@@ -46,7 +34,7 @@ async def run_operator(
     if settings.peering:
         await ensure_peering(api, settings)
     reconciler = Reconciler(api, settings, metrics)
-    memo = kopf.Memo(reconciler=reconciler, api_client=_sync_api_client())
+    memo = kopf.Memo(reconciler=reconciler)
     liveness = (
         f"http://{settings.liveness_host}:{settings.liveness_port}/healthz"
         if settings.liveness_port

@@ -82,6 +82,9 @@ def model_body(model_dir: Path) -> dict[str, Any]:
                 "maxNumSeqs": 16,
                 "maxNumBatchedTokens": 512,
                 "extraArgs": ["--device", "cpu", "--num-kv-blocks", "128"],
+                # no C++ attention build per pod (its /tmp is the pod's own): minutes on a
+                # busy 2-core machine, and a tiny model needs no fast kernel
+                "env": [{"name": "KUBEINFER_CPU_KERNELS", "value": "0"}],
             },
             "resources": {"gpus": 0, "cpu": "100m", "memory": "1Gi"},
             "replicas": 1,
