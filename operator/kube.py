@@ -39,6 +39,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "InferenceModel": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 
