@@ -415,3 +415,11 @@ def test_two_replicas_need_leader_election(helm: Helm) -> None:
     roles = [o for o in objs if o["kind"] == "Role" and any(
         "leases" in r["resources"] for r in o["rules"])]  # fmt: skip
     assert len(roles) == 1 and roles[0]["rules"][0]["verbs"] == ["get", "create", "update"]
+
+
+def test_template_needs_no_kube_version(helm: Helm) -> None:
+    """The bundled helm knows a current Kubernetes (its build sets the kube-version ldflags,
+    as helm's own Makefile does): without them it assumed v1.20, below the chart's
+    kubeVersion, and `helm template` failed unless given --kube-version."""
+    done = helm.run("template", "kubeinfer", str(CHART))
+    assert done.returncode == 0, done.stderr
