@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubeinfer.devcluster.cluster import DevCluster
 from kubeinfer.devcluster.config import DevClusterError
 from kubeinfer.operator.manifests import selector_string
+from kubeinfer.operator.testing import dev_hostpath_helm_args
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "kubeinfer"
@@ -145,6 +146,7 @@ def install_operator(cluster: Cluster) -> None:
         out = cluster.run(
             "helm", "upgrade", "--install", "kubeinfer", str(CHART),
             "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+            *dev_hostpath_helm_args(),  # the example's weights come through hostpath://
             "--wait", "--timeout", "4m", timeout_s=300,
         )  # fmt: skip
         say("    " + "\n    ".join(line for line in out.splitlines()[:6]))

@@ -12,6 +12,9 @@ scale subresource); it writes status.desiredReplicas, .metrics, .lastScaleTime, 
 apply under its own field manager (other conditions are left to their owners); each scale
 emits one event ("scaled 1 -> 3: generation tokens/s 5,400 over target 1,000 per replica").
 A failing API call or scrape never stops the loop: it is logged and the next tick retries.
+Every API call goes through the operator's one `KubeApi` (a timeout on each), the pods come
+from the reconciler's owner-matched watch, spec.autoscaling is read with the spec's own
+typed model and the names are the manifests' constants.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import asyncio
 import datetime as dt
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pydantic import ValidationError
 
 from kubeinfer.operator.autoscale_types import (
     Decision,
@@ -34,8 +39,10 @@ from kubeinfer.operator.autoscale_types import (
     ScalerState,
 )
 from kubeinfer.operator.autoscaler import decide
-from kubeinfer.operator.manifests import PROBE_PORT
+from kubeinfer.operator.kube import KubeApi
+from kubeinfer.operator.manifests import API_VERSION, KIND, PROBE_PORT, selector_string
 from kubeinfer.operator.scrape import SampleStore
+from kubeinfer.operator.spec import AutoscalingSpec, InvalidSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +70,26 @@ class AutoscalingSettings:
 
 
 def settings_from_spec(spec: Mapping[str, Any]) -> AutoscalingSettings:
-    a = spec.get("autoscaling") or {}
+    """spec.autoscaling through the same typed model `parse_spec` uses (its defaults are the
+    CRD's); InvalidSpecError when it does not parse."""
+    try:
+        a = AutoscalingSpec.model_validate(dict(spec.get("autoscaling") or {}))
+    except ValidationError as exc:
+        raise InvalidSpecError(f"spec.autoscaling: {exc.errors()[0]['msg']}") from exc
     policy = Policy(
-        min_replicas=int(a.get("minReplicas", 1)),
-        max_replicas=int(a.get("maxReplicas", 4)),
-        stable_window_s=float(a.get("stableWindowSeconds", 60)),
-        panic_window_s=float(a.get("panicWindowSeconds", 6)),
-        scale_down_delay_s=float(a.get("scaleDownDelaySeconds", 300)),
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        stable_window_s=float(a.stable_window_seconds),
+        panic_window_s=float(a.panic_window_seconds),
+        scale_down_delay_s=float(a.scale_down_delay_seconds),
     )
     return AutoscalingSettings(
-        is_enabled=bool(a.get("enabled", False)),
-        metric=a.get("metric", "generationTokensPerSecond"),
-        target_per_replica=float(a.get("targetPerReplica", 1000)),
-        scrape_interval_s=float(a.get("scrapeIntervalSeconds", 5)),
+        is_enabled=a.enabled,
+        metric=a.metric,
+        target_per_replica=a.target_per_replica,
+        scrape_interval_s=float(a.scrape_interval_seconds),
         policy=policy,
-        additional_metrics=tuple(
-            (m["metric"], float(m["targetPerReplica"])) for m in a.get("additionalMetrics") or ()
-        ),
+        additional_metrics=tuple((m.metric, m.target_per_replica) for m in a.additional_metrics),
     )
 
 
@@ -272,96 +282,50 @@ async def run_autoscaler(
         await sleep(settings.scrape_interval_s)
 
 
-GROUP, VERSION, PLURAL, KIND = "kubeinfer.dev", "v1alpha1", "inferencemodels", "InferenceModel"
-
-
 class KubeAutoscalerApi:
-    """AutoscalerApi on the Kubernetes Python client (blocking calls run in a thread)."""
+    """AutoscalerApi for one model on the operator's own `KubeApi` (async, a timeout on every
+    call) and the reconciler's watch of the model's pods (owner-matched: no list call)."""
 
-    def __init__(self, api_client: Any, *, namespace: str, name: str, uid: str) -> None:
-        from kubernetes import client
-
-        self.core = client.CoreV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
+    def __init__(
+        self,
+        api: KubeApi,
+        pods: Callable[[], Iterable[Mapping[str, Any]]],
+        *,
+        namespace: str,
+        name: str,
+        uid: str,
+    ) -> None:
+        self.api, self._pods = api, pods
         self.namespace, self.name, self.uid = namespace, name, uid
 
     async def list_pods(self, selector: str) -> list[PodInfo]:
-        pods = await asyncio.to_thread(
-            self.core.list_namespaced_pod, self.namespace, label_selector=selector
-        )
         out = []
-        for pod in pods.items:
-            status = pod.status
-            if pod.metadata.deletion_timestamp is not None or status is None:
+        for pod in self._pods():
+            status = pod.get("status") or {}
+            if pod["metadata"].get("deletionTimestamp"):
                 continue  # terminating pods are no capacity
             is_ready = any(
-                c.type == "Ready" and c.status == "True" for c in status.conditions or []
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or []
             )
-            out.append(PodInfo(pod.metadata.name, status.pod_ip or "", is_ready))
+            out.append(PodInfo(pod["metadata"]["name"], status.get("podIP") or "", is_ready))
         return out
 
     async def scale(self, replicas: int) -> None:
-        await asyncio.to_thread(
-            self.custom.patch_namespaced_custom_object_scale,
-            GROUP,
-            VERSION,
-            self.namespace,
-            PLURAL,
-            self.name,
-            {"spec": {"replicas": replicas}},
-            _content_type="application/merge-patch+json",
-        )
+        await self.api.scale_model(self.namespace, self.name, replicas)
 
     async def apply_status(self, status: dict[str, Any]) -> None:
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": KIND,
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "status": status,
-        }
-        await asyncio.to_thread(
-            self.custom.patch_namespaced_custom_object_status,
-            GROUP,
-            VERSION,
-            self.namespace,
-            PLURAL,
-            self.name,
-            body,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type="application/apply-patch+yaml",
+        await self.api.apply_model_status(
+            self.namespace, self.name, status, field_manager=FIELD_MANAGER
         )
 
     async def event(self, reason: str, message: str) -> None:
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
-            "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "name": self.name,
-                "namespace": self.namespace,
-                "uid": self.uid,
-            },
-            "reason": reason,
-            "message": message,
-            "type": "Normal",
-            "source": {"component": FIELD_MANAGER},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
+        model = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid},
         }
-        await asyncio.to_thread(self.core.create_namespaced_event, self.namespace, body)
-
-
-def _default_api_client() -> Any:
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        await self.api.create_event(model, "Normal", reason, message, FIELD_MANAGER)
 
 
 async def autoscale_daemon(
@@ -376,16 +340,21 @@ async def autoscale_daemon(
 ) -> None:
     """kopf daemon (per InferenceModel with autoscaling on); kopf's spec/status are live views.
 
-    Uses `memo["api_client"]` (a kubernetes ApiClient) when the operator put one there, else
-    the in-cluster or local kubeconfig. The scaler's windows and state live in
-    `memo["autoscaler"]`, so a daemon restarted by kopf keeps them.
+    Writes through the reconciler's `KubeApi` and reads the model's pods from its watch
+    (`memo["reconciler"]`). The scaler's windows and state live in `memo["autoscaler"]`, so a
+    daemon restarted by kopf keeps them.
     """
     import httpx
 
     from kubeinfer.operator.scrape import scrape_pods
 
+    reconciler = memo["reconciler"]
     api = KubeAutoscalerApi(
-        memo.get("api_client") or _default_api_client(), namespace=namespace, name=name, uid=uid
+        reconciler.api,
+        lambda: reconciler.owned_pods((namespace, name)).values(),
+        namespace=namespace,
+        name=name,
+        uid=uid,
     )
     settings = settings_from_spec(spec)
     memory = memo.get(MEMO_KEY)
@@ -399,9 +368,7 @@ async def autoscale_daemon(
 
         await run_autoscaler(
             read_spec=lambda: spec,
-            read_selector=lambda: (
-                (status or {}).get("selector") or f"app.kubernetes.io/instance={name}"
-            ),
+            read_selector=lambda: (status or {}).get("selector") or selector_string(name),
             api=api,
             scrape=scrape,
             memory=memory,

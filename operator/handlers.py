@@ -3,9 +3,11 @@
 `build_registry(settings)` registers, on a registry of its own (never kopf's global one):
 startup/cleanup/login/probe activities; create/update/resume of InferenceModels, each one
 apply (transient API errors become `kopf.TemporaryError`, so kopf retries with backoff); silent
-watches of models, of their children (Deployments, Services, PDBs: drift repair) and of their
-pods (status); and, for models with `spec.autoscaling.enabled`, the autoscaler's per-model
-daemon from `autoscale_daemon.py`. Handlers return nothing, so kopf writes nothing to status.
+watches of models, of their children (Deployments, Services, PDBs: drift repair), of their
+ReplicaSets and pods (status; pods are matched to models through the ReplicaSets' owners);
+and, for models with `spec.autoscaling.enabled`, the autoscaler's per-model daemon from
+`autoscale_daemon.py`. A model blocked by an object it does not own is retried every
+`NOT_OWNED_RETRY_S`. Handlers return nothing, so kopf writes nothing to status.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import kopf
 from kubeinfer.operator.autoscale_daemon import autoscale_daemon, autoscaling_enabled
 from kubeinfer.operator.kube import TransientApiError
 from kubeinfer.operator.manifests import GROUP, MANAGED_BY, MANAGED_BY_LABEL, PLURAL, VERSION
-from kubeinfer.operator.reconciler import Reconciler
+from kubeinfer.operator.reconciler import NotOwnedError, Reconciler
 from kubeinfer.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,8 @@ FINALIZER = "kubeinfer.dev/operator"
 OURS = {MANAGED_BY_LABEL: MANAGED_BY}
 OURS_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 RETRY_DELAY_S = 5.0
+#: A model blocked by another's object looks again this often (it is Failed meanwhile).
+NOT_OWNED_RETRY_S = 30.0
 #: The children's and pods' resources as kopf selectors.
 CHILDREN: tuple[tuple[str, ...], ...] = (
     ("apps", "v1", "deployments"),
@@ -35,6 +39,8 @@ CHILDREN: tuple[tuple[str, ...], ...] = (
     ("policy", "v1", "poddisruptionbudgets"),
 )
 PODS = ("v1", "pods")
+#: Pods are matched to models through their ReplicaSet's owner (the model's Deployment).
+REPLICASETS = ("apps", "v1", "replicasets")
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -61,7 +67,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.posting.reporting_component = "kubeinfer-operator"
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
-        for child in (*CHILDREN, PODS):
+        for child in (*CHILDREN, PODS, REPLICASETS):
             settings.watching.label_selectors[child] = OURS_SELECTOR
         _reconciler(memo).start()
 
@@ -87,6 +93,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             await _reconciler(memo).apply(_plain(body))
         except TransientApiError as exc:
             raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+        except NotOwnedError as exc:
+            raise kopf.TemporaryError(str(exc), delay=NOT_OWNED_RETRY_S) from exc
 
     @kopf.on.resume(*model, registry=registry)
     async def resumed(body: Any, memo: Any, **_: Any) -> None:
@@ -105,6 +113,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         @kopf.on.event(*child, labels=OURS, registry=registry)
         async def child_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
             _reconciler(memo).observe_child(type, _plain(body))
+
+    @kopf.on.event(*REPLICASETS, labels=OURS, registry=registry)
+    async def replicaset_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
+        _reconciler(memo).observe_replicaset(type, _plain(body))
 
     @kopf.on.event(*PODS, labels=OURS, registry=registry)
     async def pod_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:

@@ -21,7 +21,7 @@ from kubernetes.aio import client as aio_client
 from kubernetes.aio import config as aio_config
 from kubernetes.aio.client.exceptions import ApiException
 
-from kubeinfer.operator.manifests import GROUP, PLURAL, VERSION
+from kubeinfer.operator.manifests import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "InferenceModel": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 
@@ -210,13 +211,27 @@ class KubeApi:
         }
         await self.request("POST", object_path("Event", meta["namespace"]), body=body)
 
+    async def scale_model(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """spec.replicas of an InferenceModel through its scale subresource."""
+        return await self.request(
+            "PATCH",
+            object_path("InferenceModel", namespace, name, "scale"),
+            body={"spec": {"replicas": replicas}},
+            content_type=MERGE,
+        )
+
     async def apply_model_status(
-        self, namespace: str, name: str, status: dict[str, Any]
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        *,
+        field_manager: str = FIELD_MANAGER,
     ) -> dict[str, Any]:
         body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "InferenceModel",
+            "apiVersion": API_VERSION,
+            "kind": KIND,
             "metadata": {"name": name, "namespace": namespace},
             "status": status,
         }
-        return await self.apply(body, sub="status")
+        return await self.apply(body, field_manager=field_manager, sub="status")

@@ -1,7 +1,8 @@
 """What should exist for one InferenceModel: `render(model, config) -> list[manifest]` (pure).
 
 A Deployment of the runtime (the runtime contract of DESIGN.md: command, POD_IP, probes, GPU
-limits, a read-only model volume, a locked-down security context, a GPU-safe rollout), a
+limits, a read-only model volume, a locked-down security context, a zero-downtime rollout by
+default, SIGTERM timings and grace period in step with the readiness probe), a
 Service (port 8000, named http) and, when more than one replica is asked for, a
 PodDisruptionBudget. Each is owned by the model (controller owner reference), so deleting the
 model garbage-collects them. When autoscaling is on the Deployment carries no `replicas`: the
@@ -16,7 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubeinfer.operator.settings import OperatorSettings
-from kubeinfer.operator.spec import InferenceModelSpec, ModelSource, parse_model_uri, parse_spec
+from kubeinfer.operator.spec import (
+    InferenceModelSpec,
+    InvalidSpecError,
+    ModelSource,
+    check_hostpath,
+    parse_model_uri,
+    parse_spec,
+)
 
 Manifest = dict[str, Any]
 
@@ -38,6 +46,37 @@ APP_NAME = "kubeinfer-runtime"
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+#: `kubeinfer serve` flags the operator sets and `spec.runtime.extraArgs` must not: the address
+#: and ports the probes, Services and the autoscaler rely on, the model and its name, the API
+#: key (from apiKeySecretRef only), the SIGTERM timings the grace period is computed from, and
+#: the runtime's test hook. The CRD refuses them with a CEL rule (a test keeps both in step).
+MANAGED_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--probe-port",
+    "--api-key",
+    "--shutdown-delay",
+    "--drain-timeout",
+    "--metrics-fault-file",
+)
+#: The downward-API variables the operator sets (`--host $(POD_IP)`) and the managed flags as
+#: environment variables (`KUBEINFER_<FLAG>`): spec.runtime.env must not set them. The test
+#: hook's variable stays open: the autoscaler's cluster test sets it per pod, and it only
+#: fails the model's own /metrics.
+TEST_HOOK_FLAG = "--metrics-fault-file"
+MANAGED_ENV = (
+    "POD_IP",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    *(
+        "KUBEINFER_" + f.removeprefix("--").replace("-", "_").upper()
+        for f in MANAGED_FLAGS
+        if f != TEST_HOOK_FLAG
+    ),
+)
+READINESS_PERIOD_S = 2
 #: terminationGracePeriodSeconds beyond the runtime's shutdown delay and drain timeout.
 GRACE_MARGIN_S = 15
 
@@ -88,10 +127,24 @@ def render(model: Mapping[str, Any], config: OperatorSettings) -> list[Manifest]
     """The children of `model` (an InferenceModel as the API returns it); InvalidSpecError
     when its spec cannot be served."""
     spec = parse_spec(model.get("spec") or {})
+    check_managed(spec)
     manifests = [render_deployment(model, spec, config), render_service(model)]
     if wants_pdb(spec):
         manifests.append(render_pdb(model))
     return manifests
+
+
+def check_managed(spec: InferenceModelSpec) -> None:
+    """InvalidSpecError when extraArgs or env set what the operator manages (the CRD refuses
+    it too; this covers objects stored under an older CRD)."""
+    for arg in spec.runtime.extra_args:
+        if arg.split("=", 1)[0] in MANAGED_FLAGS:
+            raise InvalidSpecError(
+                f"spec.runtime.extraArgs: {arg.split('=', 1)[0]} is set by the operator"
+            )
+    for var in spec.runtime.env:
+        if var.name in MANAGED_ENV:
+            raise InvalidSpecError(f"spec.runtime.env: {var.name} is set by the operator")
 
 
 def _metadata(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,6 +162,7 @@ def render_deployment(
 ) -> Manifest:
     name = model["metadata"]["name"]
     source = parse_model_uri(spec.model.uri)
+    check_hostpath(source, is_allowed=config.allow_hostpath, prefixes=config.hostpath_prefixes)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the runtime never calls the API server
         "enableServiceLinks": False,  # a Service named `kubeinfer` would set KUBEINFER_PORT
@@ -128,10 +182,14 @@ def render_deployment(
         pod_spec["initContainers"] = [_downloader(source, config)]
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name)},
-        # A GPU node rarely has a spare accelerator for a surge pod: replace one at a time.
+        # Default: a new pod is Ready before an old one goes (zero downtime; it needs room for
+        # one more pod); spec.rollout trades that for clusters with no spare accelerator.
         "strategy": {
             "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            "rollingUpdate": {
+                "maxSurge": spec.rollout.max_surge,
+                "maxUnavailable": spec.rollout.max_unavailable,
+            },
         },
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": config.startup_budget_s + 600,
@@ -151,6 +209,15 @@ def termination_grace_s(config: OperatorSettings) -> int:
     """Covers the runtime's whole SIGTERM sequence: the shutdown delay, the drain, and its
     exit (closing connections, joining the engine: at most 7 s, see runtime/server/serve.py)."""
     return config.shutdown_delay_s + config.drain_timeout_s + GRACE_MARGIN_S
+
+
+def readiness_failure_threshold(config: OperatorSettings) -> int:
+    """Failed /ready reads before a pod counts as unready, so that it does within the
+    runtime's shutdown delay (less a second for the status to travel): on SIGTERM the pod
+    keeps serving that long with /ready failing, and clients that pick ready pods (routers,
+    the dev cluster's clients; Services drop terminating pods at once) must have left it
+    before it refuses work. With no delay there is nothing to fit: one failure."""
+    return max(1, (config.shutdown_delay_s - 1) // READINESS_PERIOD_S)
 
 
 def model_path(source: ModelSource) -> str:
@@ -241,7 +308,9 @@ def _runtime_container(
         "startupProbe": _probe(
             "/ready", startup_period_s, max(1, config.startup_budget_s // startup_period_s), 2
         ),
-        "readinessProbe": _probe("/ready", 2, 3, 2),
+        "readinessProbe": _probe(
+            "/ready", READINESS_PERIOD_S, readiness_failure_threshold(config), 2
+        ),
         "livenessProbe": _probe("/health", 10, 3, 5),
         "resources": {"requests": requests, "limits": limits},
         "securityContext": {

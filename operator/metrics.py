@@ -1,7 +1,8 @@
 """The operator's own Prometheus metrics (`kubeinfer_operator_*`) on a registry of its own.
 
 Reconciles by result, errors by kind, reconcile durations, drift repairs by child kind,
-status writes, and the number of models watched. `serve` starts the /metrics endpoint.
+status writes, the number of models watched, and whether this replica leads. `serve` starts
+the /metrics endpoint.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class OperatorMetrics:
         )
         self.models = Gauge(
             "kubeinfer_operator_models", "InferenceModels the operator watches.", registry=r
+        )
+        self.is_leader = Gauge(
+            "kubeinfer_operator_leader",
+            "1 while this replica acts (it holds the Lease, or runs without leader election).",
+            registry=r,
         )
 
     def serve(self, host: str, port: int) -> None:

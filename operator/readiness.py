@@ -3,15 +3,18 @@
 The kubelet's readiness probe only says ready or not; the runtime's `/ready` body says why
 not (`{"status": "loading", "loaded_bytes", "total_bytes"}` or `{"status": "failed",
 "error"}`), which is what the InferenceModel's conditions show. `parse_ready` is pure;
-`read_ready` does the one GET (to the pod IP, never a Service).
+`read_ready` does the one bounded GET (to the pod IP, never a Service).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+
+from kubeinfer.operator.pod_http import MAX_READY_BYTES, PodReadError, bounded_get
 
 ReadyState = Literal["ready", "loading", "failed", "draining", "unreachable"]
 
@@ -54,14 +57,17 @@ def parse_ready(status_code: int, body: Any) -> ReadyReport:
 async def read_ready(
     client: httpx.AsyncClient, pod_ip: str, port: int, timeout_s: float
 ) -> ReadyReport:
-    """GET http://POD_IP:PORT/ready; never raises (a connection error is `unreachable`)."""
+    """GET http://POD_IP:PORT/ready, bounded in size and time (`pod_http.py`); never raises
+    (a failed or unbounded read is `unreachable`)."""
     url = f"http://{pod_ip}:{port}/ready"
     try:
-        resp = await client.get(url, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        return ReadyReport("unreachable", f"GET {url}: {exc.__class__.__name__}")
+        status_code, raw = await bounded_get(
+            client, url, max_bytes=MAX_READY_BYTES, timeout_s=timeout_s
+        )
+    except PodReadError as exc:
+        return ReadyReport("unreachable", str(exc))
     try:
-        body = resp.json()
+        body = json.loads(raw)
     except ValueError:
         body = None
-    return parse_ready(resp.status_code, body)
+    return parse_ready(status_code, body)

@@ -18,6 +18,14 @@ call `apply`. Promises:
   arrives while a write is in flight gets a write of its own after it, and one computed
   while an apply runs waits for it (observedGeneration never lags what the status shows).
 - Only one apply per model runs at a time.
+- Nothing the model does not own is ever adopted: before a child is applied, an object of
+  that name must be absent or carry the model's owner reference. Another's object makes the
+  model Failed with a reason naming it (`NotOwnedError`; the handler retries slowly, so the
+  model recovers once the object is gone); one still owned by an earlier model of the same
+  name (garbage collection pending) is a transient wait. Only owned children are deleted.
+- A model's pods are those whose controller is a ReplicaSet of the model's own Deployment
+  (owner references, as the Deployment controller sets them): labels alone can be copied by
+  any pod, which would then be counted and have its /ready read.
 - A model's missing Deployment is its first write, and an urgent one; its other children,
   status writes and events wait until no urgent write has been in flight for a moment
   (`write_priority.py`), so a burst of new models gets its Deployments first. kopf's own
@@ -39,7 +47,7 @@ import httpx
 
 from kubeinfer.operator.drift import first_difference
 from kubeinfer.operator.kube import ApiError, KubeApi, RejectedError, TransientApiError
-from kubeinfer.operator.manifests import INSTANCE_LABEL, PROBE_PORT, render
+from kubeinfer.operator.manifests import INSTANCE_LABEL, KIND, PROBE_PORT, render
 from kubeinfer.operator.metrics import OperatorMetrics
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
@@ -69,12 +77,24 @@ def _key(obj: Mapping[str, Any]) -> Key:
     return meta["namespace"], meta["name"]
 
 
+class NotOwnedError(RuntimeError):
+    """An object the model would create exists and belongs to someone else."""
+
+
+def _controller_uid(obj: Mapping[str, Any]) -> str | None:
+    for ref in obj["metadata"].get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")  # type: ignore[no-any-return]
+    return None
+
+
 @dataclass
 class ModelState:
     """What the operator knows of one model beyond its object."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     failure: str | None = None
+    failure_reason: str = "InvalidSpec"  # the Ready condition's reason while failed
     observed_generation: int = 0
     has_applied: bool = False
     repair_task: asyncio.Task[None] | None = None
@@ -92,6 +112,8 @@ class Reconciler:
         self.models: dict[Key, dict[str, Any]] = {}
         self.children: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, ns, name)
         self.pods: dict[Key, dict[str, dict[str, Any]]] = {}  # model -> pod name -> pod
+        # (ns, ReplicaSet name) -> (its uid, its controller's uid): pods -> Deployment
+        self.replicasets: dict[Key, tuple[str, str | None]] = {}
         self.reports: dict[Key, ReadyReport] = {}  # (ns, pod name) -> last /ready
         self.states: dict[Key, ModelState] = {}
         self._http: httpx.AsyncClient | None = None
@@ -202,6 +224,37 @@ class Reconciler:
             pods[pod_name] = dict(body)
         self.request_status((ns, instance))
 
+    def observe_replicaset(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        ns, name = _key(body)
+        if event_type == "DELETED":
+            self.replicasets.pop((ns, name), None)
+        else:
+            self.replicasets[(ns, name)] = (body["metadata"].get("uid", ""), _controller_uid(body))
+        instance = (body["metadata"].get("labels") or {}).get(INSTANCE_LABEL)
+        if instance:
+            self.request_status((ns, instance))
+
+    def owned_child(self, kind: str, key: Key) -> dict[str, Any] | None:
+        """The model's child of `kind` as the watch shows it; None when absent or another's."""
+        model, child = self.models.get(key), self.children.get((kind, *key))
+        if model is None or child is None or not self._is_owned(child, model):
+            return None
+        return child
+
+    def owned_pods(self, key: Key) -> dict[str, dict[str, Any]]:
+        """The model's pods by name: those a ReplicaSet of its own Deployment controls."""
+        deployment = self.owned_child("Deployment", key)
+        pods = self.pods.get(key, {})
+        if deployment is None or not pods:
+            return {}
+        ns, dep_uid = key[0], deployment["metadata"].get("uid")
+        rs_uids = {
+            uid
+            for (rs_ns, _), (uid, owner) in self.replicasets.items()
+            if rs_ns == ns and owner == dep_uid and dep_uid
+        }
+        return {name: p for name, p in pods.items() if _controller_uid(p) in rs_uids}
+
     @staticmethod
     def _is_owned(child: Mapping[str, Any], model: Mapping[str, Any]) -> bool:
         uid = model["metadata"].get("uid")
@@ -237,6 +290,9 @@ class Reconciler:
             except (InvalidSpecError, RejectedError) as exc:
                 self._fail(model, st, str(exc))
                 return
+            except NotOwnedError as exc:
+                self._fail(model, st, str(exc), reason="NotOwned")
+                raise
             except TransientApiError:
                 self.metrics.errors.labels("transient").inc()
                 self.metrics.reconciles.labels("retry").inc()
@@ -268,6 +324,7 @@ class Reconciler:
         deployment, *others = render(model, self.settings)
         spec = parse_spec(model.get("spec") or {})
         ns, name = _key(model)
+        await self._check_ownership(model, [deployment, *others])
         is_missing = ("Deployment", ns, name) not in self.children
         turn = self.priority.urgent() if is_missing else self.priority.deferred()
         async with turn:
@@ -281,11 +338,44 @@ class Reconciler:
                 changed.append(f"Deployment {name} replicas={spec.replicas}")
             rendered_kinds = {"Deployment"} | {m["kind"] for m in others}
             for kind in CHILD_KINDS:
-                if kind not in rendered_kinds and (kind, ns, name) in self.children:
+                if kind not in rendered_kinds and self.owned_child(kind, (ns, name)):
                     if await self.api.delete(kind, ns, name):
                         changed.append(f"{kind} {name} (deleted)")
                     self.children.pop((kind, ns, name), None)
         return changed
+
+    async def _check_ownership(
+        self, model: Mapping[str, Any], manifests: list[dict[str, Any]]
+    ) -> None:
+        """NotOwnedError unless every object the manifests name is absent or the model's.
+
+        The watches only show objects with our labels: a name not among them is read (all at
+        once, so a new model costs one round trip)."""
+        keys = [(m["kind"], *_key(m)) for m in manifests]
+        unknown = [k for k in keys if k not in self.children]
+        read = await asyncio.gather(*(self.api.get(*k) for k in unknown))
+        lives = {
+            **{k: self.children[k] for k in keys if k in self.children},
+            **dict(zip(unknown, read, strict=True)),
+        }
+        for (kind, ns, name), live in lives.items():
+            if live is None or self._is_owned(live, model):
+                continue
+            owner = next(
+                (r for r in live["metadata"].get("ownerReferences") or [] if r.get("controller")),
+                None,
+            )
+            if owner and owner.get("kind") == KIND and owner.get("name") == name:
+                raise TransientApiError(
+                    409,
+                    f"{kind} {ns}/{name} still belongs to an earlier InferenceModel {name} "
+                    "(garbage collection pending)",
+                )
+            whose = f"{owner.get('kind')} {owner.get('name')}" if owner else "no owner"
+            raise NotOwnedError(
+                f"{kind} {ns}/{name} exists and is not this model's ({whose}): refusing to "
+                "take it over; delete or rename it"
+            )
 
     async def _apply_manifests(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Apply independent objects together; return those that changed ("Kind name")."""
@@ -301,15 +391,17 @@ class Reconciler:
                 changed.append(f"{key[0]} {key[2]}")
         return changed
 
-    def _fail(self, model: Mapping[str, Any], st: ModelState, message: str) -> None:
+    def _fail(
+        self, model: Mapping[str, Any], st: ModelState, message: str, reason: str = "InvalidSpec"
+    ) -> None:
         is_new = st.failure != message
-        st.failure, st.has_applied = message, True
+        st.failure, st.failure_reason, st.has_applied = message, reason, True
         st.observed_generation = int(model["metadata"].get("generation") or 0)
         self.metrics.errors.labels("invalid_spec").inc()
         self.metrics.reconciles.labels("failed").inc()
         if is_new:
             logger.warning("%s/%s: cannot serve: %s", *_key(model), message)
-            self.event(model, "Warning", "InvalidSpec", message)
+            self.event(model, "Warning", reason, message)
         self.request_status(_key(model), delay=0)
 
     def event(self, model: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
@@ -346,6 +438,8 @@ class Reconciler:
             except ApiError as exc:  # e.g. 404: the namespace or the model is going away
                 logger.warning("%s/%s: repair given up: %s", *key, exc)
                 return
+            except NotOwnedError:
+                return  # the model is Failed; its handler retries
             st = self.states.get(key)
             if st is None or st.next_repair is None:
                 return
@@ -388,14 +482,15 @@ class Reconciler:
         ns, _ = key
         pods = [
             pod_view(p, self.reports.get((ns, name)))
-            for name, p in sorted(self.pods.get(key, {}).items())
+            for name, p in sorted(self.owned_pods(key).items())
             if not p["metadata"].get("deletionTimestamp")
         ]
         status = compute_status(
             model,
-            self.children.get(("Deployment", *key)),
+            self.owned_child("Deployment", key),
             pods,
             failure=st.failure,
+            failure_reason=st.failure_reason,
             observed_generation=st.observed_generation,
             now=_now(),
         )
@@ -436,8 +531,8 @@ class Reconciler:
         """Read /ready of every running, not-ready runtime pod; refresh statuses that moved."""
         assert self._http is not None, "start() first"
         targets: list[tuple[Key, str, str]] = []
-        for key, pods in self.pods.items():
-            for name, pod in pods.items():
+        for key in list(self.pods):
+            for name, pod in self.owned_pods(key).items():
                 view = pod_view(pod, None)
                 ip = (pod.get("status") or {}).get("podIP")
                 if view.is_ready or not view.is_running or not ip:

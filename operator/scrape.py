@@ -1,7 +1,8 @@
 """Scrape runtime pods' `/metrics` and turn per-pod samples into windowed readings.
 
-- `scrape_pods` fetches every pod concurrently (httpx, short timeout); a pod that fails
-  (connect error, timeout, non-200, unparsable text) yields a sample with `error` set, never
+- `scrape_pods` fetches every pod concurrently, each read bounded in size and total time
+  (`pod_http.py`); a pod that fails (connect error, timeout, a body too large, non-200,
+  unparsable text) yields a sample with `error` set, never
   an empty sample that would read as zero load.
 - `parse_metrics` reads the vLLM-named families with prometheus_client's parser, keeping only
   the served model's label set when a model name is given.
@@ -32,6 +33,7 @@ from kubeinfer.operator.autoscale_types import (
     PodSample,
     PodTarget,
 )
+from kubeinfer.operator.pod_http import MAX_METRICS_BYTES, PodReadError, bounded_get
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +88,13 @@ async def scrape_pod(
 ) -> PodSample:
     """One pod's sample, stamped when its answer arrived; failures carry `error`."""
     try:
-        resp = await client.get(target.url, timeout=timeout_s)
-        if resp.status_code != 200:
-            raise MetricsParseError(f"HTTP {resp.status_code}")
-        counters, gauges = parse_metrics(resp.text, model_name)
-    except (httpx.HTTPError, MetricsParseError) as exc:
+        status_code, body = await bounded_get(
+            client, target.url, max_bytes=MAX_METRICS_BYTES, timeout_s=timeout_s
+        )
+        if status_code != 200:
+            raise MetricsParseError(f"HTTP {status_code}")
+        counters, gauges = parse_metrics(body.decode("utf-8", errors="replace"), model_name)
+    except (PodReadError, MetricsParseError) as exc:
         logger.debug("scrape of %s failed: %s", target.name, exc)
         return PodSample(target.name, clock(), error=f"{type(exc).__name__}: {exc}")
     return PodSample(target.name, clock(), counters, gauges)

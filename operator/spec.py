@@ -90,6 +90,20 @@ class AutoscalingSpec(_Spec):
     scrape_interval_seconds: int = Field(5, alias="scrapeIntervalSeconds", ge=1)
 
 
+IntOrPercent = int | str
+
+
+def _is_zero(value: IntOrPercent) -> bool:
+    return str(value) in ("0", "0%")
+
+
+class RolloutSpec(_Spec):
+    """spec.rollout: the Deployment's RollingUpdate bounds (the CRD checks their form)."""
+
+    max_surge: IntOrPercent = Field(1, alias="maxSurge")
+    max_unavailable: IntOrPercent = Field(0, alias="maxUnavailable")
+
+
 class SecretKeyRef(_Spec):
     name: str = ""
     key: str = ""
@@ -105,6 +119,7 @@ class InferenceModelSpec(_Spec):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     replicas: int = Field(1, ge=0)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
 
@@ -131,14 +146,40 @@ def parse_model_uri(uri: str) -> ModelSource:
     """spec.model.uri -> ModelSource; InvalidSpecError names what is wrong."""
     if "/../" in uri or uri.endswith("/.."):
         raise InvalidSpecError(f"spec.model.uri {uri!r} must not contain '..' segments")
+    if "$(" in uri:  # the path reaches the container's args, where Kubernetes expands $(VAR)
+        raise InvalidSpecError(f"spec.model.uri {uri!r} must not contain '$('")
     if match := _PVC.match(uri):
         return ModelSource("pvc", claim=match["claim"], path=match["path"].strip("/"))
     if match := _HOSTPATH.match(uri):
-        return ModelSource("hostpath", path=match["path"].rstrip("/") or "/")
+        path = match["path"].rstrip("/") or "/"
+        if any(part in ("", ".", "..") for part in path.split("/")[1:]):
+            raise InvalidSpecError(
+                f"spec.model.uri {uri!r}: a hostpath:// path has no '.', '..' or empty segments"
+            )
+        return ModelSource("hostpath", path=path)
     if match := _HF.match(uri):
         return ModelSource("hf", repo=match["repo"], revision=match["rev"] or "")
     raise InvalidSpecError(
         f"spec.model.uri {uri!r} is not pvc://CLAIM[/PATH], hostpath:///abs/path or hf://ORG/NAME"
+    )
+
+
+def check_hostpath(source: ModelSource, *, is_allowed: bool, prefixes: list[str]) -> None:
+    """InvalidSpecError unless a hostpath source is allowed and lies under one of `prefixes`
+    (normalized absolute folders); other schemes always pass."""
+    if source.scheme != "hostpath":
+        return
+    if not is_allowed:
+        raise InvalidSpecError(
+            "spec.model.uri: hostpath:// models are turned off in this operator's settings "
+            "(KUBEINFER_OPERATOR_ALLOW_HOSTPATH); use pvc:// or hf://"
+        )
+    for prefix in prefixes:
+        if prefix == "/" or source.path == prefix or source.path.startswith(prefix + "/"):
+            return
+    allowed = ", ".join(prefixes) or "none configured"
+    raise InvalidSpecError(
+        f"spec.model.uri: hostpath {source.path} is not under an allowed folder ({allowed})"
     )
 
 
@@ -151,6 +192,19 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidSpecError(f"spec.{where}: {first['msg']}") from exc
     parse_model_uri(parsed.model.uri)
+    rollout = parsed.rollout
+    for field_name, value in (
+        ("maxSurge", rollout.max_surge),
+        ("maxUnavailable", rollout.max_unavailable),
+    ):
+        if isinstance(value, str) and not re.fullmatch(r"[0-9]{1,3}%", value):
+            raise InvalidSpecError(
+                f"spec.rollout.{field_name}: {value!r} is not a count or a percentage"
+            )
+        if isinstance(value, int) and value < 0:
+            raise InvalidSpecError(f"spec.rollout.{field_name} must not be negative")
+    if _is_zero(rollout.max_surge) and _is_zero(rollout.max_unavailable):
+        raise InvalidSpecError("spec.rollout.maxSurge and maxUnavailable cannot both be 0")
     if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
         raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
     names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]

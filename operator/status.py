@@ -118,6 +118,7 @@ def compute_status(
     failure: str | None,
     observed_generation: int,
     now: str,
+    failure_reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
     """The operator's part of `status` (OWNED_FIELDS and OWNED_CONDITIONS)."""
     meta, spec = model["metadata"], model.get("spec") or {}
@@ -132,7 +133,7 @@ def compute_status(
 
     phase: Phase
     if failure:
-        phase, reason, message = "Failed", "InvalidSpec", failure
+        phase, reason, message = "Failed", failure_reason, failure
     elif desired == 0:
         phase, reason = "Pending", "ScaledToZero"
         message = "spec.replicas is 0: no pods run"

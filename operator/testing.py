@@ -2,7 +2,8 @@
 
 `OperatorProcess.start(kubeconfig, namespaces, log)` runs `kubeinfer operator run` with its
 liveness and metrics endpoints on free loopback ports and waits until kopf's /healthz answers;
-`stop()` sends SIGTERM (SIGKILL after a bound) and `kill()` SIGKILLs it, as a crash would.
+hostpath:// models are allowed under the dev prefixes (`dev_hostpath_env`), as on the dev
+cluster; `stop()` sends SIGTERM (SIGKILL after a bound) and `kill()` SIGKILLs it, as a crash would.
 """
 
 from __future__ import annotations
@@ -23,6 +24,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def dev_hostpath_prefixes() -> list[str]:
+    """Where the tests, the benchmark and the demo keep weights for hostpath:// models:
+    kubeinfer's cache (`KUBEINFER_CACHE`) and the checkout's `.cache` (models are linked there
+    from the cache, so both spellings of a path are allowed)."""
+    cache = Path(os.environ.get("KUBEINFER_CACHE", Path.home() / ".cache" / "kubeinfer"))
+    checkout = Path(__file__).resolve().parents[1] / ".cache"
+    return sorted({str(cache.resolve()), str(checkout)})
+
+
+def dev_hostpath_env() -> dict[str, str]:
+    """The operator's env that allows hostpath:// models under `dev_hostpath_prefixes()`."""
+    return {
+        "KUBEINFER_OPERATOR_ALLOW_HOSTPATH": "true",
+        "KUBEINFER_OPERATOR_HOSTPATH_PREFIXES": ",".join(dev_hostpath_prefixes()),
+    }
+
+
+def dev_hostpath_helm_args() -> list[str]:
+    """The same for `helm install` of the chart."""
+    prefixes = ",".join(dev_hostpath_prefixes())
+    return [
+        "--set", "runtime.hostPath.enabled=true",
+        "--set", f"runtime.hostPath.prefixes={{{prefixes}}}",
+    ]  # fmt: skip
 
 
 class OperatorStartError(RuntimeError):
@@ -56,6 +83,7 @@ class OperatorProcess:
             "KUBEINFER_OPERATOR_METRICS_HOST": "127.0.0.1",
             "KUBEINFER_OPERATOR_METRICS_PORT": str(metrics),
             "KUBEINFER_OPERATOR_POD_PROBE_INTERVAL_S": "2",
+            **dev_hostpath_env(),
             **(extra_env or {}),
         }
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The kubeinfer runtime: models, loader, tokenizer, engine, and (soon) the OpenAI server.
+"""The kubeinfer runtime: models, loader, tokenizer, engine, and the OpenAI-compatible server.
 
 `from kubeinfer.runtime import LLM, SamplingParams` is the offline API (imported lazily, so
 that light modules such as `kubeinfer.runtime.errors` do not pull in torch).

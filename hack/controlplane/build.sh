@@ -34,11 +34,18 @@ mkdir -p "$bin"
 
 step() { echo "--> [controlplane] $*"; }
 
-# build_into NAME DIR "BINARIES..." GO-BUILD-ARGS...: build into $bin unless every binary is there.
+# build_into NAME DIR "BINARIES..." GO-BUILD-ARGS...: build into $bin unless every binary is there
+# and was built with these arguments (recorded in $bin/.NAME.build once a build completes; a
+# binary from before that record is reused as long as the arguments match the old recipe,
+# see HELM_RECIPE_CHANGED). The new binaries replace the old ones by rename, never leaving a gap.
 build_into() {
   local name=$1 dir=$2 binaries=$3; shift 3
-  local missing=0 b
+  local missing=0 b recipe="$*"
   for b in $binaries; do [[ -x $bin/$b ]] || missing=1; done
+  if [[ -f $bin/.$name.build && $(cat "$bin/.$name.build") != "$recipe" ]]; then missing=1; fi
+  if [[ ! -f $bin/.$name.build && $name == helm && -x $bin/helm ]]; then
+    missing=1  # HELM_RECIPE_CHANGED: helm built before its kube-version ldflags
+  fi
   if (( ! missing )); then step "$name: reusing $bin ($binaries)"; return 0; fi
   local tmp start=$SECONDS
   tmp=$(mktemp -d "$bin/.build-$name.XXXXXX")
@@ -51,6 +58,7 @@ build_into() {
   (cd "$here/$dir" && go build -trimpath -o "$out" "$@")
   for b in $binaries; do mv -f "$tmp/$b" "$bin/$b"; done
   rmdir "$tmp"
+  echo "$recipe" > "$bin/.$name.build"
   step "$name: done in $(( SECONDS - start ))s"
 }
 
@@ -72,9 +80,16 @@ etcd_version=$(modver etcd go.etcd.io/etcd/server/v3)
 build_into etcd etcd "etcd" -ldflags "-s -w" go.etcd.io/etcd/server/v3
 
 helm_version=$(modver helm helm.sh/helm/v3)
-build_into helm helm "helm" \
-  -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$helm_version" \
-  helm.sh/helm/v3/cmd/helm
+# As helm's own Makefile does: the Kubernetes version `helm template` and `helm lint` assume
+# without a cluster (--kube-version) is that of the client-go helm is built with; without these
+# it is v1.20, below the chart's kubeVersion, and `helm template` fails.
+client_go=$(modver helm k8s.io/client-go)  # v0.X.Y <-> Kubernetes v1.X.Y
+helm_minor=${client_go#v0.}; helm_minor=${helm_minor%%.*}
+helm_ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$helm_version"
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  helm_ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$helm_minor"
+done
+build_into helm helm "helm" -ldflags "$helm_ldflags" helm.sh/helm/v3/cmd/helm
 
 echo "$k8s_version etcd=$etcd_version helm=$helm_version" > "$bin/VERSIONS"
 step "binaries in $bin: $(cat "$bin/VERSIONS")"

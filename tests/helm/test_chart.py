@@ -79,8 +79,10 @@ def test_template_renders_valid_objects(helm: Helm, values: Path | None) -> None
 def test_operator_deployment_is_locked_down(helm: Helm, values: Path | None) -> None:
     dep = _operator_deployment(helm.template(*_values_args(values)))
     spec = dep["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+    if values is not None and "leaderElection" in values.read_text():  # one acts, on a Lease
+        assert spec["replicas"] == 2 and spec["strategy"] == {"type": "RollingUpdate"}
+    else:
+        assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -129,7 +131,7 @@ def test_env_maps_every_operator_setting_one_to_one(helm: Helm) -> None:
     # the chart's defaults are the operator's defaults
     defaults = OperatorSettings()
     for name in OperatorSettings.model_fields:
-        if name not in ("liveness_host", "metrics_host"):
+        if name not in ("liveness_host", "metrics_host", "leader_election_namespace"):
             assert getattr(settings, name) == getattr(defaults, name), name
 
 
@@ -176,6 +178,7 @@ def test_clusterwide_rbac(helm: Helm) -> None:
     assert ("apps", "deployments/scale", "patch") in rules
     assert ("", "events", "create") in rules
     assert ("", "pods", "watch") in rules
+    assert ("apps", "replicasets", "watch") in rules  # pods are matched through their owners
     assert ("", "pods", "delete") not in rules
     assert ("apps", "deployments", "delete") not in rules
     assert ("", "namespaces", "list") not in rules  # kopf lists them only when namespaced
@@ -397,3 +400,26 @@ def test_e2e_kind_refuses_clearly_without_a_docker_daemon(tmp_path: Path) -> Non
     assert done.returncode == 1, done.stdout + done.stderr
     assert "daemon does not answer" in done.stderr, done.stderr
     assert "-->" not in done.stdout
+
+
+def test_two_replicas_need_leader_election(helm: Helm) -> None:
+    refused = helm.run("template", str(CHART), "--set", "replicaCount=2",
+                       "--kube-version", helm.kube_version)  # fmt: skip
+    assert refused.returncode != 0 and "leaderElection.enabled" in refused.stderr
+    objs = helm.template("--set", "replicaCount=2", "--set", "leaderElection.enabled=true")
+    (dep,) = [o for o in objs if o["kind"] == "Deployment"]
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBEINFER_OPERATOR_LEADER_ELECTION"]["value"] == "true"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    roles = [o for o in objs if o["kind"] == "Role" and any(
+        "leases" in r["resources"] for r in o["rules"])]  # fmt: skip
+    assert len(roles) == 1 and roles[0]["rules"][0]["verbs"] == ["get", "create", "update"]
+
+
+def test_template_needs_no_kube_version(helm: Helm) -> None:
+    """The bundled helm knows a current Kubernetes (its build sets the kube-version ldflags,
+    as helm's own Makefile does): without them it assumed v1.20, below the chart's
+    kubeVersion, and `helm template` failed unless given --kube-version."""
+    done = helm.run("template", "kubeinfer", str(CHART))
+    assert done.returncode == 0, done.stderr

@@ -24,6 +24,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
+from kubeinfer.operator.testing import dev_hostpath_helm_args
 from tests.helm.conftest import CHART, Helm
 from tests.operator.conftest import example_model
 
@@ -135,6 +136,7 @@ def test_install_runs_the_operator_as_a_pod_with_the_charts_account(release: Rel
         "install", release.name, str(CHART),
         "--set", f"watchNamespaces={{{release.models_ns}}}",
         "--set", "operator.podProbeIntervalSeconds=2",
+        *dev_hostpath_helm_args(),
         "--wait", "--timeout", "180s",
     )  # fmt: skip
     pod = release.ready_operator()

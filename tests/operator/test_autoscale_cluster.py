@@ -72,7 +72,10 @@ def model_body(model_dir: Path, fault_dir: Path) -> dict[str, Any]:
                 "extraArgs": ["--device", "cpu", "--num-kv-blocks", "256"],
                 # the test hook: /metrics answers 503 while FAULT_DIR/POD_NAME exists
                 "env": [
-                    {"name": "KUBEINFER_METRICS_FAULT_FILE", "value": f"{fault_dir}/$(POD_NAME)"}
+                    {"name": "KUBEINFER_METRICS_FAULT_FILE", "value": f"{fault_dir}/$(POD_NAME)"},
+                    # no C++ attention build per pod (its /tmp is the pod's own): on a busy
+                    # 2-core machine a new replica compiled for minutes before it was ready
+                    {"name": "KUBEINFER_CPU_KERNELS", "value": "0"},
                 ],
             },
             "resources": {"gpus": 0, "cpu": "100m", "memory": "1Gi"},

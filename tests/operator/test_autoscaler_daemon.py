@@ -232,3 +232,64 @@ def test_an_idle_queue_does_not_block_scale_down() -> None:
     memory = new_memory(settings_from_spec(spec))
     run_ticks(cluster, memory, until=40)
     assert cluster.scaled == [2, 1]  # as without the queue metric
+
+
+class RecordingKubeApi:
+    """The KubeApi calls the daemon's adapter makes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def scale_model(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        self.calls.append(("scale", namespace, name, replicas))
+        return {}
+
+    async def apply_model_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, field_manager: str
+    ) -> dict[str, Any]:
+        self.calls.append(("status", namespace, name, field_manager))
+        return {}
+
+    async def create_event(self, obj: dict[str, Any], *args: str) -> None:
+        self.calls.append(("event", obj["kind"], obj["metadata"]["uid"], *args))
+
+
+def test_the_adapter_uses_the_operators_api_and_its_owned_pods() -> None:
+    """One API layer: the daemon writes through the operator's KubeApi (timeouts on every
+    call) and reads the pods the reconciler matched by owner, never a second client."""
+    from kubeinfer.operator.autoscale_daemon import FIELD_MANAGER, KubeAutoscalerApi
+
+    ready = {"type": "Ready", "status": "True"}
+    pods = [
+        {"metadata": {"name": "a"}, "status": {"podIP": "127.1.0.1", "conditions": [ready]}},
+        {"metadata": {"name": "b"}, "status": {"podIP": "127.1.0.2"}},
+        {"metadata": {"name": "c", "deletionTimestamp": "now"}, "status": {"conditions": [ready]}},
+    ]
+    kube = RecordingKubeApi()
+    api = KubeAutoscalerApi(kube, lambda: pods, namespace="ns", name="m", uid="u1")  # type: ignore[arg-type]
+
+    async def run() -> list[PodInfo]:
+        listed = await api.list_pods("ignored")
+        await api.scale(3)
+        await api.apply_status({"desiredReplicas": 3})
+        await api.event("Scaled", "scaled 1 -> 3")
+        return listed
+
+    listed = asyncio.run(run())
+    assert listed == [PodInfo("a", "127.1.0.1", True), PodInfo("b", "127.1.0.2", False)]
+    assert kube.calls == [
+        ("scale", "ns", "m", 3),
+        ("status", "ns", "m", FIELD_MANAGER),
+        ("event", "InferenceModel", "u1", "Normal", "Scaled", "scaled 1 -> 3", FIELD_MANAGER),
+    ]
+
+
+def test_settings_parse_with_the_specs_own_model() -> None:
+    import pytest
+
+    from kubeinfer.operator.spec import InvalidSpecError
+
+    settings = settings_from_spec({"autoscaling": {"enabled": True}})
+    assert settings.policy.max_replicas == 4 and settings.scrape_interval_s == 5.0  # CRD's
+    with pytest.raises(InvalidSpecError, match="spec.autoscaling"):
+        settings_from_spec({"autoscaling": {"metric": "qps"}})

@@ -11,7 +11,7 @@ from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError
 from tests.operator.conftest import example_model, make_model
 
-CONFIG = OperatorSettings()
+CONFIG = OperatorSettings(allow_hostpath=True, hostpath_prefixes=["/srv/models", "/data"])
 
 
 def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -73,10 +73,51 @@ def test_example_renders_the_runtime_contract() -> None:
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["model"] == {"name": "model", "mountPath": "/models/model", "readOnly": True}
     assert mounts["dshm"]["mountPath"] == "/dev/shm"
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # zero downtime by default: a new pod is Ready before an old one goes
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]
+
+
+@pytest.mark.parametrize(
+    ("rollout", "expected"),
+    [
+        ({"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": 0, "maxUnavailable": 1}),
+        ({"maxSurge": "25%"}, {"maxSurge": "25%", "maxUnavailable": 0}),
+        ({"maxUnavailable": "50%", "maxSurge": 2}, {"maxSurge": 2, "maxUnavailable": "50%"}),
+    ],
+)
+def test_rollout_bounds_come_from_the_spec(
+    rollout: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    spec = {"model": {"uri": "pvc://w"}, "rollout": rollout}
+    dep = by_kind(render(make_model(spec), CONFIG))["Deployment"]
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": expected}
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [{"maxSurge": 0}, {"maxSurge": "0%", "maxUnavailable": "0%"}, {"maxSurge": "x"},
+     {"maxUnavailable": -1}],
+)  # fmt: skip
+def test_rollouts_that_cannot_progress_are_refused(rollout: dict[str, Any]) -> None:
+    with pytest.raises(InvalidSpecError, match="spec.rollout"):
+        render(make_model({"model": {"uri": "pvc://w"}, "rollout": rollout}), CONFIG)
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2, 3, 5, 8, 30, 300])
+def test_a_terminating_pod_turns_unready_within_its_shutdown_delay(delay: int) -> None:
+    """On SIGTERM the runtime serves `--shutdown-delay` more seconds with /ready failing:
+    the readiness probe must mark it unready within that (less a second for the status to
+    travel), or a client that picks ready pods sends it work it then refuses."""
+    config = OperatorSettings(shutdown_delay_s=delay)
+    c = container(by_kind(render(make_model(), config))["Deployment"])
+    probe = c["readinessProbe"]
+    window = probe["periodSeconds"] * probe["failureThreshold"]
+    assert probe["failureThreshold"] >= 1
+    assert window <= max(delay - 1, probe["periodSeconds"])
+    assert arg(c["args"], "--shutdown-delay") == str(delay)
 
 
 @pytest.mark.parametrize(("delay", "drain"), [(5, 30), (0, 0), (60, 600)])

@@ -24,6 +24,7 @@ class FakeApi:
         self.statuses: list[dict[str, Any]] = []
         self.reject: str | None = None
         self.calls: list[str] = []  # in the order the writes reached the API
+        self.reads: list[str] = []  # kinds read with get()
         self.latency_s = 0.0
         self._rv = 0
 
@@ -63,6 +64,10 @@ class FakeApi:
 
     async def create_event(self, *_: Any) -> None:
         self.calls.append("event")
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append(kind)
+        return self.objects.get((kind, namespace, name))
 
     async def close(self) -> None:
         return None

@@ -14,6 +14,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
+from kubeinfer.operator.manifests import MANAGED_ENV, MANAGED_FLAGS
 from tests.operator.conftest import CRD_PATH, REPO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -154,6 +155,48 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         with_spec("spec.apiKeySecretRef", {"name": "keys"}),
         "spec.apiKeySecretRef.key",
     ),
+    ("hostpath root dot", with_spec("spec.model.uri", "hostpath:///."), "spec.model.uri"),
+    ("hostpath dot segment", with_spec("spec.model.uri", "hostpath:///a/./b"), "spec.model.uri"),
+    ("hostpath dot-dot end", with_spec("spec.model.uri", "hostpath:///a/.."), "spec.model.uri"),
+    ("hostpath empty segment", with_spec("spec.model.uri", "hostpath:///a//b"), "spec.model.uri"),
+    ("uri expansion", with_spec("spec.model.uri", "pvc://c/$(HOME)"), "spec.model.uri"),
+    *(
+        (
+            f"extraArgs {flag}",
+            with_spec("spec.runtime", {"extraArgs": ["--device", "cpu", flag, "x"]}),
+            "spec.runtime.extraArgs",
+        )
+        for flag in MANAGED_FLAGS
+    ),
+    (
+        "extraArgs --host=",
+        with_spec("spec.runtime", {"extraArgs": ["--host=0.0.0.0"]}),
+        "spec.runtime.extraArgs",
+    ),
+    *(
+        (
+            f"env {name}",
+            with_spec("spec.runtime", {"env": [{"name": name, "value": "0.0.0.0"}]}),
+            "spec.runtime.env",
+        )
+        for name in MANAGED_ENV
+    ),
+    ("rollout never progresses", with_spec("spec.rollout", {"maxSurge": 0}), "spec.rollout"),
+    (
+        "rollout both zero percent",
+        with_spec("spec.rollout", {"maxSurge": "0%", "maxUnavailable": 0}),
+        "spec.rollout",
+    ),
+    (
+        "rollout surge text",
+        with_spec("spec.rollout", {"maxSurge": "lots"}),
+        "spec.rollout.maxSurge",
+    ),
+    (
+        "rollout negative",
+        with_spec("spec.rollout", {"maxUnavailable": -1}),
+        "spec.rollout.maxUnavailable",
+    ),
     ("unknown spec field", with_spec("spec.gpuCount", 2), "spec.gpuCount"),
     ("unknown nested field", with_spec("spec.runtime", {"maxSeqs": 8}), "spec.runtime.maxSeqs"),
     ("name not DNS-1035", with_spec("metadata.name", "1model"), "metadata.name"),
@@ -196,6 +239,32 @@ def test_invalid_model_is_rejected(
         _create(dev_cluster, crd_ns, body)
     assert info.value.status in (400, 422), info.value.body
     assert field in str(info.value.body), f"{case}: {info.value.body}"
+
+
+@pytest.mark.parametrize(
+    "spec_runtime",
+    [
+        {"extraArgs": ["--hostname", "x", "--model-cache", "y", "--device", "cpu"]},
+        {"extraArgs": ["--num-kv-blocks", "256", "--kernels=torch"]},
+        {"env": [{"name": "KUBEINFER_METRICS_FAULT_FILE", "value": "/tmp/f/$(POD_NAME)"}]},
+    ],
+)
+def test_unmanaged_args_and_env_are_accepted(
+    dev_cluster: DevClusterHandle, crd_ns: str, spec_runtime: dict[str, Any]
+) -> None:
+    body = with_spec("spec.runtime", spec_runtime)
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
+
+
+@pytest.mark.parametrize(
+    "rollout",
+    [{}, {"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": "25%"}, {"maxUnavailable": "50%"}],
+)
+def test_rollout_bounds_are_accepted(
+    dev_cluster: DevClusterHandle, crd_ns: str, rollout: dict[str, Any]
+) -> None:
+    body = with_spec("spec.rollout", rollout)
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
