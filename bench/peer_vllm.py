@@ -13,7 +13,8 @@ worse than vLLM's).
 The peer is installed by hack/peer_vllm.sh into ~/.cache/kubeinfer/peer (once) and run as its
 docs advise: both cores (VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core), tcmalloc and its
 venv's Intel OpenMP preloaded, from a directory with no `operator/` folder in it (its workers
-import the standard module from the working directory). Where it cannot be set up the script
+import the standard module from the working directory); ours with tcmalloc too, as
+`kubeinfer serve` preloads it on CPU (runtime/malloc.py). Where it cannot be set up the script
 says why and exits 0 without figures. Appends rows to bench/RESULTS.md.
 
     python bench/peer_vllm.py [--dtypes float32 bfloat16] [--rounds 1] [--served]
@@ -208,6 +209,10 @@ def main() -> int:
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        if args.worker == "ours":  # as `kubeinfer serve` runs on CPU: tcmalloc preloaded
+            from kubeinfer.runtime.malloc import reexec_with_tcmalloc
+
+            reexec_with_tcmalloc()
         fn = worker_ours if args.worker == "ours" else worker_vllm
         print("RESULT " + json.dumps(fn(args.model, args.dtypes[0], args.requests)), flush=True)
         return 0

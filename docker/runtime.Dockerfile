@@ -16,9 +16,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/kubeinfer/bin:$PATH \
     HOME=/tmp
 
-# Triton compiles a small launcher per kernel at run time: it needs a C compiler and Python.h.
+# Triton compiles a small launcher per kernel at run time: it needs a C compiler and Python.h;
+# the C++ CPU kernels build with the same compiler; `kubeinfer serve` preloads tcmalloc on CPU.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
+       libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv "$VIRTUAL_ENV"
 

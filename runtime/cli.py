@@ -32,6 +32,10 @@ def generate(
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
 ) -> None:
     """Generate a greedy completion of PROMPT with the engine, streamed to stdout."""
+    if device.startswith("cpu"):
+        from kubeinfer.runtime.malloc import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc()
     from kubeinfer.runtime.engine.config import EngineConfig
     from kubeinfer.runtime.engine.engine import Engine
     from kubeinfer.runtime.engine.sampling_params import SamplingParams
@@ -143,6 +147,10 @@ def serve(
             where = ".".join(str(x) for x in err["loc"]) or "settings"
             typer.echo(f"error: --{where.replace('_', '-')}: {err['msg']}", err=True)
         raise typer.Exit(2) from None
+    if settings.device.startswith("cpu"):
+        from kubeinfer.runtime.malloc import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc()
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
