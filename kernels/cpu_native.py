@@ -130,7 +130,8 @@ def _build_and_load() -> None:
         )
     else:
         torch.ops.load_library(str(lib))
-    for op in ("paged_attention", "rms_norm", "silu_and_mul", "rotary_neox", "store_kv"):
+    ops = ("paged_attention", "rms_norm", "rms_norm_add", "silu_and_mul", "rotary_neox", "store_kv")
+    for op in ops:
         if not hasattr(torch.ops.kubeinfer_cpu, op):
             raise RuntimeError(f"{lib} does not define kubeinfer_cpu::{op}")
 
@@ -170,12 +171,20 @@ def paged_attention_cpu(
 def rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`rms_norm_reference` in one pass (the fused-residual form stays the reference's)."""
-    if residual is not None or x.ndim != 2 or not x.is_contiguous():
+    """`rms_norm_reference` in one pass; with `residual`, the add and the norm in that pass."""
+    if x.ndim != 2 or not x.is_contiguous():
         return rms_norm_reference(x, weight, eps, residual)
     out = torch.empty_like(x)
-    torch.ops.kubeinfer_cpu.rms_norm(out, x, weight, float(eps))
-    return out
+    if residual is None:
+        torch.ops.kubeinfer_cpu.rms_norm(out, x, weight, float(eps))
+        return out
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        return rms_norm_reference(x, weight, eps, residual)  # it names what is wrong
+    new_residual = torch.empty_like(x)
+    torch.ops.kubeinfer_cpu.rms_norm_add(
+        out, new_residual, x, residual.contiguous(), weight, float(eps)
+    )
+    return out, new_residual
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:

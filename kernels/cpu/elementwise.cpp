@@ -99,6 +99,41 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
+// residual_out = x + residual (rounded to T, as torch adds), out = rms_norm(residual_out): the
+// decoder layer's residual add and the next norm in one pass over the row.
+template <typename T>
+void rms_norm_add_impl(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x,
+                       const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = residual_out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * n;
+      const T* rr = rp + r * n;
+      T* srow = sp + r * n;
+      T* orow = op + r * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = rnd<T>(from_t<T>(xr[i]) + from_t<T>(rr[i]));
+        srow[i] = to_t<T>(v);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float h = rnd<T>(from_t<T>(srow[i]) * inv);
+        orow[i] = to_t<T>(from_t<T>(wp[i]) * h);
+      }
+    }
+  });
+}
+
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), n = out.size(1);
@@ -186,6 +221,21 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   KI_DISPATCH(x.scalar_type(), "rms_norm", rms_norm_impl<scalar>(out, x, weight, eps));
 }
 
+void rms_norm_add(at::Tensor out, at::Tensor residual_out, const at::Tensor& x,
+                  const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+              "rms_norm: x must be a contiguous (rows, n) CPU tensor");
+  const at::Tensor* alike[] = {&residual, &out, &residual_out};
+  for (const at::Tensor* t : alike)
+    TORCH_CHECK(t->sizes() == x.sizes() && t->is_contiguous() && t->dtype() == x.dtype(),
+                "rms_norm: residual, out and residual_out must be contiguous and like x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.dtype() == x.dtype(),
+              "rms_norm: weight must be (n,) of x's dtype");
+  KI_DISPATCH(x.scalar_type(), "rms_norm",
+              rms_norm_add_impl<scalar>(out, residual_out, x, residual, weight, eps));
+}
+
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
               "silu_and_mul: x must be a contiguous (rows, 2I) CPU tensor");
@@ -255,6 +305,10 @@ TORCH_LIBRARY_FRAGMENT(kubeinfer_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_neox(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def(
+      "rms_norm_add(Tensor(a!) out, Tensor(b!) residual_out, Tensor x, Tensor residual, "
+      "Tensor weight, float eps) -> ()");
+  m.impl("rms_norm_add", c10::DispatchKey::CPU, &rms_norm_add);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary_neox", c10::DispatchKey::CPU, &rotary_neox);
   m.def(

@@ -8,6 +8,7 @@ that float32 logits agree to ~1e-6.
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 from torch import nn
@@ -25,10 +26,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.ops: KernelOps = TORCH_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, `(norm(x + residual), x + residual)` in one kernel."""
         shape = x.shape
-        out = self.ops.rms_norm(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.eps)
-        return out.view(shape)
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        if residual is None:
+            return self.ops.rms_norm(x2, self.weight, self.eps).view(shape)
+        r2 = residual.reshape(-1, shape[-1]).contiguous()
+        out, new_residual = self.ops.rms_norm(x2, self.weight, self.eps, r2)
+        return out.view(shape), new_residual.view(shape)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

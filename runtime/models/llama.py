@@ -80,11 +80,19 @@ class DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryEmbedding,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it), as vLLM passes them: the next
+        norm adds the two in the same kernel (the same sums, in the same dtype, as x + f(x))."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, rotary, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -106,9 +114,12 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, self.rotary_emb, attn)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, self.rotary_emb, attn)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

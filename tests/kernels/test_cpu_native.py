@@ -152,10 +152,14 @@ def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
     want = rms_norm_reference(x, w, 1e-5)
     tol = ELEMENTWISE_TOL[dtype]
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    # the fused-residual form is the reference's own
+    # the fused-residual form: the sum exactly torch's (rounded to the dtype), the norm of it
     r = torch.randn(37, 576, generator=g).to(dtype)
     out, res = cpu_native.rms_norm_cpu(x, w, 1e-5, r)
-    torch.testing.assert_close(res, x + r)
+    want_out, want_res = rms_norm_reference(x, w, 1e-5, r)
+    assert torch.equal(res, x + r) and torch.equal(want_res, res)
+    torch.testing.assert_close(out, want_out, atol=tol, rtol=tol)
+    with pytest.raises(KernelInputError, match="residual"):
+        cpu_native.rms_norm_cpu(x, w, 1e-5, r[:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
