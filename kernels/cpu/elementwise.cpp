@@ -72,6 +72,13 @@ inline float rnd<float>(float v) {
   return v;
 }
 
+// out = w * (x * inv rounded to T), as transformers' RMSNorm casts before the weight
+template <typename T>
+inline void scale_row(T* out, const T* x, const T* w, int64_t n, float inv) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = to_t<T>(from_t<T>(w[i]) * rnd<T>(from_t<T>(x[i]) * inv));
+}
+
 template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
@@ -89,12 +96,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
         const float v = from_t<T>(xr[i]);
         ss += v * v;
       }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float h = rnd<T>(from_t<T>(xr[i]) * inv);
-        orow[i] = to_t<T>(from_t<T>(wp[i]) * h);
-      }
+      scale_row<T>(orow, xr, wp, n, 1.0f / std::sqrt(ss / static_cast<float>(n) + feps));
     }
   });
 }
@@ -124,12 +126,7 @@ void rms_norm_add_impl(at::Tensor& out, at::Tensor& residual_out, const at::Tens
         srow[i] = to_t<T>(v);
         ss += v * v;
       }
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float h = rnd<T>(from_t<T>(srow[i]) * inv);
-        orow[i] = to_t<T>(from_t<T>(wp[i]) * h);
-      }
+      scale_row<T>(orow, srow, wp, n, 1.0f / std::sqrt(ss / static_cast<float>(n) + feps));
     }
   });
 }

@@ -208,6 +208,52 @@ std::vector<Item> build_items(const at::Tensor& block_tables, const at::Tensor& 
   return items;
 }
 
+// One item's geometry and its queries as float (times mul): rows r = ti * H + h; the keys
+// lo .. hi (inclusive) cover every row's own range row_lo[ti] .. row_hi[ti].
+struct Chunk {
+  int64_t tok0 = 0, nt = 0, lo = 0, hi = 0, nk = 0;  // tok0: the chunk's first row of q
+  std::vector<int64_t> row_lo, row_hi;
+  std::vector<float> qf;
+
+  template <typename T>
+  void set(const Item& it, const int32_t* qsl, const int32_t* lens, int64_t window, const T* qp,
+           int64_t q_tok, int64_t q_head, int64_t H, int64_t D, float mul) {
+    const int64_t s = it.seq, q_len = qsl[s + 1] - qsl[s];
+    const int64_t ctx = lens[s] - q_len;  // tokens before the step's first new token
+    tok0 = qsl[s] + it.t0;
+    nt = it.t1 - it.t0;
+    hi = ctx + it.t1 - 1;
+    lo = window > 0 ? std::max<int64_t>(0, ctx + it.t0 - window + 1) : 0;
+    nk = hi - lo + 1;
+    row_lo.resize(nt);
+    row_hi.resize(nt);
+    qf.resize(nt * H * D);
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t pos = ctx + it.t0 + ti;
+      row_hi[ti] = pos;
+      row_lo[ti] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* src = qp + (tok0 + ti) * q_tok + h * q_head;
+        float* dst = qf.data() + (ti * H + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * mul;
+      }
+    }
+  }
+};
+
+// body(item, state) for every item, each thread with a State of its own taking the next item
+// from a shared counter (the items come longest first).
+template <typename State, typename F>
+void for_each_item(const std::vector<Item>& items, F&& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    State state;
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < n;) body(items[w], state);
+  });
+}
+
 // HD: the head dim when known at compile time (the common sizes), else 0 and D at run time.
 template <typename T, int HD>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -239,99 +285,86 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 
   // Rows are (token of the chunk, query head) with head h = g * G + gi; every key of a cache
   // row (all KV heads, contiguous) is read once, in block order, and serves all of them.
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf, scores, acc, kbuf(BS * row_stride), vbuf(BS * row_stride);
-    std::vector<int64_t> row_lo, row_hi;
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const Item it = items[w];
-      const int64_t s = it.seq;
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t ctx = lens[s] - q_len;  // tokens before the step's first new token
-      const int64_t nt = it.t1 - it.t0, R = nt * H;
-      // keys any row of the item may see: lo .. hi (inclusive)
-      const int64_t hi = ctx + it.t1 - 1;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx + it.t0 - window + 1) : 0;
-      const int64_t nk = hi - lo + 1;
-      qf.resize(R * D);
-      scores.resize(R * nk);
-      acc.assign(R * D, 0.f);
-      row_lo.resize(nt);
-      row_hi.resize(nt);
-      for (int64_t ti = 0; ti < nt; ++ti) {
-        const int64_t tok = qsl[s] + it.t0 + ti, pos = ctx + it.t0 + ti;
-        row_hi[ti] = pos;
-        row_lo[ti] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        for (int64_t h = 0; h < H; ++h) {
-          const T* src = qp + tok * q_tok + h * q_head;
-          float* dst = qf.data() + (ti * H + h) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
-        }
+  struct State {
+    Chunk c;
+    std::vector<float> scores, acc, kbuf, vbuf;
+  };
+  for_each_item<State>(items, [&](const Item& it, State& st) {
+    Chunk& c = st.c;
+    c.set(it, qsl, lens, window, qp, q_tok, q_head, H, D, fscale);
+    const int64_t s = it.seq, nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
+    const std::vector<int64_t>& row_lo = c.row_lo;
+    const std::vector<int64_t>& row_hi = c.row_hi;
+    std::vector<float>& qf = c.qf;
+    std::vector<float>& scores = st.scores;
+    std::vector<float>& acc = st.acc;
+    st.kbuf.resize(BS * row_stride);
+    st.vbuf.resize(BS * row_stride);
+    std::vector<float>& kbuf = st.kbuf;
+    std::vector<float>& vbuf = st.vbuf;
+    scores.resize(R * nk);
+    acc.assign(R * D, 0.f);
+    const int32_t* table = bt + s * bt_stride;
+    auto prefetch_block = [&](const T* base, int64_t b) {
+      if (b * BS > hi) return;
+      const char* p = reinterpret_cast<const char*>(base + table[b] * block_elems);
+      for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+        __builtin_prefetch(p + off);
+    };
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {
+      prefetch_block(kc, b + 1);
+      const T* kb = kc + table[b] * block_elems;
+      const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+      const float* kt = as_float<T>(kb + (j0 - b * BS) * row_stride, kbuf.data(),
+                                    (j1 - j0) * row_stride);  // rows j0 .. j1 - 1
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* kf = kt + (j - j0) * row_stride;
+        for (int64_t r = 0; r < R; ++r)
+          scores[r * nk + (j - lo)] = dot(qf.data() + r * D, kf + ((r % H) / G) * D, D);
       }
-      const int32_t* table = bt + s * bt_stride;
-      auto prefetch_block = [&](const T* base, int64_t b) {
-        if (b * BS > hi) return;
-        const char* p = reinterpret_cast<const char*>(base + table[b] * block_elems);
-        for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
-          __builtin_prefetch(p + off);
-      };
-      for (int64_t b = lo / BS; b * BS <= hi; ++b) {
-        prefetch_block(kc, b + 1);
-        const T* kb = kc + table[b] * block_elems;
-        const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
-        const float* kt = as_float<T>(kb + (j0 - b * BS) * row_stride, kbuf.data(),
-                                      (j1 - j0) * row_stride);  // rows j0 .. j1 - 1
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* kf = kt + (j - j0) * row_stride;
-          for (int64_t r = 0; r < R; ++r)
-            scores[r * nk + (j - lo)] = dot(qf.data() + r * D, kf + ((r % H) / G) * D, D);
-        }
-      }
-      for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
-        const int64_t a = row_lo[ti] - lo, b = row_hi[ti] - lo;
-        for (int64_t h = 0; h < H; ++h) {
-          float* sr = scores.data() + (ti * H + h) * nk;
-          float m = neg_inf;
-          for (int64_t j = a; j <= b; ++j) m = std::max(m, sr[j]);
-          float sum = 0.f;
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
+      const int64_t a = row_lo[ti] - lo, b = row_hi[ti] - lo;
+      for (int64_t h = 0; h < H; ++h) {
+        float* sr = scores.data() + (ti * H + h) * nk;
+        float m = neg_inf;
+        for (int64_t j = a; j <= b; ++j) m = std::max(m, sr[j]);
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = a; j <= b; ++j) {
-            const float e = fast_exp(sr[j] - m);
-            sr[j] = e;
-            sum += e;
-          }
-          const float inv = 1.f / sum;
+        for (int64_t j = a; j <= b; ++j) {
+          const float e = fast_exp(sr[j] - m);
+          sr[j] = e;
+          sum += e;
+        }
+        const float inv = 1.f / sum;
 #pragma omp simd
-          for (int64_t j = a; j <= b; ++j) sr[j] *= inv;
-        }
+        for (int64_t j = a; j <= b; ++j) sr[j] *= inv;
       }
-      for (int64_t b = lo / BS; b * BS <= hi; ++b) {
-        prefetch_block(vc, b + 1);
-        const T* vb = vc + table[b] * block_elems;
-        const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
-        const float* vt = as_float<T>(vb + (j0 - b * BS) * row_stride, vbuf.data(),
-                                      (j1 - j0) * row_stride);
-        for (int64_t ti = 0; ti < nt; ++ti) {
-          const int64_t a = std::max(j0, row_lo[ti]), e = std::min(j1 - 1, row_hi[ti]);
-          for (int64_t h = 0; h < H; ++h) {
-            const int64_t r = ti * H + h;
-            const float* p = scores.data() + r * nk - lo;
-            const float* vh = vt + (h / G) * D - j0 * row_stride;
-            float* y = acc.data() + r * D;
-            for (int64_t j = a; j <= e; ++j) axpy(y, p[j], vh + j * row_stride, D);
-          }
-        }
-      }
+    }
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {
+      prefetch_block(vc, b + 1);
+      const T* vb = vc + table[b] * block_elems;
+      const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+      const float* vt = as_float<T>(vb + (j0 - b * BS) * row_stride, vbuf.data(),
+                                    (j1 - j0) * row_stride);
       for (int64_t ti = 0; ti < nt; ++ti) {
-        const int64_t tok = qsl[s] + it.t0 + ti;
+        const int64_t a = std::max(j0, row_lo[ti]), e = std::min(j1 - 1, row_hi[ti]);
         for (int64_t h = 0; h < H; ++h) {
-          T* dst = op + tok * o_tok + h * o_head;
-          const float* a = acc.data() + (ti * H + h) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d]);
+          const int64_t r = ti * H + h;
+          const float* p = scores.data() + r * nk - lo;
+          const float* vh = vt + (h / G) * D - j0 * row_stride;
+          float* y = acc.data() + r * D;
+          for (int64_t j = a; j <= e; ++j) axpy(y, p[j], vh + j * row_stride, D);
         }
+      }
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t tok = c.tok0 + ti;
+      for (int64_t h = 0; h < H; ++h) {
+        T* dst = op + tok * o_tok + h * o_head;
+        const float* a = acc.data() + (ti * H + h) * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d]);
       }
     }
   });
@@ -379,133 +412,118 @@ void run_fast(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t block_elems = BS * row_stride;
 
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf, scores, inv, acc;
-    std::vector<int64_t> row_lo, row_hi;
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const Item it = items[w];
-      const int64_t s = it.seq;
-      const int64_t q_len = qsl[s + 1] - qsl[s];
-      const int64_t ctx = lens[s] - q_len;
-      const int64_t nt = it.t1 - it.t0, R = nt * H;
-      const int64_t hi = ctx + it.t1 - 1;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx + it.t0 - window + 1) : 0;
-      const int64_t nk = hi - lo + 1;
-      qf.resize(R * D);
-      scores.resize(R * nk);
-      inv.resize(R);
-      row_lo.resize(nt);
-      row_hi.resize(nt);
-      for (int64_t ti = 0; ti < nt; ++ti) {
-        const int64_t tok = qsl[s] + it.t0 + ti, pos = ctx + it.t0 + ti;
-        row_hi[ti] = pos;
-        row_lo[ti] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        for (int64_t h = 0; h < H; ++h) {
-          const T* src = qp + tok * q_tok + h * q_head;
-          float* dst = qf.data() + (ti * H + h) * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-        }
+  struct State {
+    Chunk c;
+    std::vector<float> scores, inv, acc;
+  };
+  for_each_item<State>(items, [&](const Item& it, State& st) {
+    Chunk& c = st.c;
+    c.set(it, qsl, lens, window, qp, q_tok, q_head, H, D, 1.f);
+    const int64_t s = it.seq, nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
+    const std::vector<int64_t>& row_lo = c.row_lo;
+    const std::vector<int64_t>& row_hi = c.row_hi;
+    const std::vector<float>& qf = c.qf;
+    std::vector<float>& scores = st.scores;
+    std::vector<float>& inv = st.inv;
+    std::vector<float>& acc = st.acc;
+    scores.resize(R * nk);
+    inv.resize(R);
+    const int32_t* table = bt + s * bt_stride;
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {
+      if ((b + 1) * BS <= hi) {
+        const char* next = reinterpret_cast<const char*>(kc + table[b + 1] * block_elems);
+        for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+          __builtin_prefetch(next + off);
       }
-      const int32_t* table = bt + s * bt_stride;
-      for (int64_t b = lo / BS; b * BS <= hi; ++b) {
-        if ((b + 1) * BS <= hi) {
-          const char* next = reinterpret_cast<const char*>(kc + table[b + 1] * block_elems);
-          for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
-            __builtin_prefetch(next + off);
-        }
-        {  // this block's values, towards L2 for the value pass
-          const char* vb = reinterpret_cast<const char*>(vc + table[b] * block_elems);
-          for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
-            __builtin_prefetch(vb + off, 0, 2);
-        }
-        const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
-        for (int64_t g = 0; g < Hkv; ++g) {
-          const T* kg = kc + table[b] * block_elems + g * D - b * BS * row_stride;
-          for (int64_t ti = 0; ti < nt; ++ti)
-            for (int64_t gi = 0; gi < G; ++gi) {
-              const int64_t r = ti * H + g * G + gi;
-              const float* qr = qf.data() + r * D;
-              float* sr = scores.data() + r * nk - lo;
-              int64_t j = j0;
-              if (j + 16 <= j1) {
-                Qk16<T, D> qk;
-                qk.set(qr);
-                for (; j + 16 <= j1; j += 16) qk.run(sr + j, kg + j * row_stride, row_stride);
-              }
-              for (; j < j1; ++j) {
-                const T* kj = kg + j * row_stride;
-                float acc = 0.f;
+      {  // this block's values, towards L2 for the value pass
+        const char* vb = reinterpret_cast<const char*>(vc + table[b] * block_elems);
+        for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+          __builtin_prefetch(vb + off, 0, 2);
+      }
+      const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const T* kg = kc + table[b] * block_elems + g * D - b * BS * row_stride;
+        for (int64_t ti = 0; ti < nt; ++ti)
+          for (int64_t gi = 0; gi < G; ++gi) {
+            const int64_t r = ti * H + g * G + gi;
+            const float* qr = qf.data() + r * D;
+            float* sr = scores.data() + r * nk - lo;
+            int64_t j = j0;
+            if (j + 16 <= j1) {
+              Qk16<T, D> qk;
+              qk.set(qr);
+              for (; j + 16 <= j1; j += 16) qk.run(sr + j, kg + j * row_stride, row_stride);
+            }
+            for (; j < j1; ++j) {
+              const T* kj = kg + j * row_stride;
+              float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < D; ++d) acc += qr[d] * static_cast<float>(kj[d]);
-                sr[j] = acc;
-              }
+              for (int64_t d = 0; d < D; ++d) acc += qr[d] * static_cast<float>(kj[d]);
+              sr[j] = acc;
             }
-        }
+          }
       }
-      for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
-        const int64_t a = row_lo[ti] - lo, b = row_hi[ti] - lo;
-        for (int64_t h = 0; h < H; ++h) {
-          float* sr = scores.data() + (ti * H + h) * nk;
-          float m = neg_inf;
-          for (int64_t j = a; j <= b; ++j) m = std::max(m, sr[j]);
-          float sum = 0.f;
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
+      const int64_t a = row_lo[ti] - lo, b = row_hi[ti] - lo;
+      for (int64_t h = 0; h < H; ++h) {
+        float* sr = scores.data() + (ti * H + h) * nk;
+        float m = neg_inf;
+        for (int64_t j = a; j <= b; ++j) m = std::max(m, sr[j]);
+        float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = a; j <= b; ++j) {
-            const float e = fast_exp((sr[j] - m) * fscale);
-            sr[j] = e;
-            sum += e;
-          }
-          inv[ti * H + h] = 1.f / sum;
+        for (int64_t j = a; j <= b; ++j) {
+          const float e = fast_exp((sr[j] - m) * fscale);
+          sr[j] = e;
+          sum += e;
         }
+        inv[ti * H + h] = 1.f / sum;
       }
-      acc.assign(R * D, 0.f);
-      for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // values: each block read once, in order
-        if ((b + 1) * BS <= hi) {
-          const char* next = reinterpret_cast<const char*>(vc + table[b + 1] * block_elems);
-          for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
-            __builtin_prefetch(next + off);
-        }
-        for (int64_t ti = 0; ti < nt; ++ti) {
-          const int64_t j0 = std::max(b * BS, row_lo[ti]);
-          const int64_t j1 = std::min((b + 1) * BS, row_hi[ti] + 1);
-          if (j0 >= j1) continue;
-          for (int64_t g = 0; g < Hkv; ++g) {
-            const T* vg = vc + table[b] * block_elems + g * D - b * BS * row_stride;
-            for (int64_t c = 0; c < G; c += RB) {
-              const float* p[RB];
-              float* a[RB];
-              const int64_t nr = std::min<int64_t>(RB, G - c);
-              for (int64_t r = 0; r < nr; ++r) {
-                const int64_t row = ti * H + g * G + c + r;
-                p[r] = scores.data() + row * nk - lo;
-                a[r] = acc.data() + row * D;
-              }
-              switch (nr) {
-                case 1: attend_block<T, D, 1>(a, p, vg, row_stride, j0, j1); break;
-                case 2: attend_block<T, D, 2>(a, p, vg, row_stride, j0, j1); break;
-                case 3:
-                  if constexpr (RB >= 3) attend_block<T, D, 3>(a, p, vg, row_stride, j0, j1);
-                  break;
-                default:
-                  if constexpr (RB >= 4) attend_block<T, D, 4>(a, p, vg, row_stride, j0, j1);
-                  break;
-              }
-            }
-          }
-        }
+    }
+    acc.assign(R * D, 0.f);
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // values: each block read once, in order
+      if ((b + 1) * BS <= hi) {
+        const char* next = reinterpret_cast<const char*>(vc + table[b + 1] * block_elems);
+        for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+          __builtin_prefetch(next + off);
       }
       for (int64_t ti = 0; ti < nt; ++ti) {
-        const int64_t tok = qsl[s] + it.t0 + ti;
-        for (int64_t h = 0; h < H; ++h) {
-          T* dst = op + tok * o_tok + h * o_head;
-          const float* a = acc.data() + (ti * H + h) * D;
-          const float iv = inv[ti * H + h];
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * iv);
+        const int64_t j0 = std::max(b * BS, row_lo[ti]);
+        const int64_t j1 = std::min((b + 1) * BS, row_hi[ti] + 1);
+        if (j0 >= j1) continue;
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const T* vg = vc + table[b] * block_elems + g * D - b * BS * row_stride;
+          for (int64_t c = 0; c < G; c += RB) {
+            const float* p[RB];
+            float* a[RB];
+            const int64_t nr = std::min<int64_t>(RB, G - c);
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t row = ti * H + g * G + c + r;
+              p[r] = scores.data() + row * nk - lo;
+              a[r] = acc.data() + row * D;
+            }
+            switch (nr) {
+              case 1: attend_block<T, D, 1>(a, p, vg, row_stride, j0, j1); break;
+              case 2: attend_block<T, D, 2>(a, p, vg, row_stride, j0, j1); break;
+              case 3:
+                if constexpr (RB >= 3) attend_block<T, D, 3>(a, p, vg, row_stride, j0, j1);
+                break;
+              default:
+                if constexpr (RB >= 4) attend_block<T, D, 4>(a, p, vg, row_stride, j0, j1);
+                break;
+            }
+          }
         }
+      }
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t tok = c.tok0 + ti;
+      for (int64_t h = 0; h < H; ++h) {
+        T* dst = op + tok * o_tok + h * o_head;
+        const float* a = acc.data() + (ti * H + h) * D;
+        const float iv = inv[ti * H + h];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * iv);
       }
     }
   });
