@@ -18,6 +18,8 @@ call `apply`. Promises:
   arrives while a write is in flight gets a write of its own after it, and one computed
   while an apply runs waits for it (observedGeneration never lags what the status shows).
 - Only one apply per model runs at a time.
+- What one apply does is decided by `plan.plan_children` (pure) from a snapshot of the
+  model and each child name; this class reads the snapshot and carries the plan out.
 - Nothing the model does not own is ever adopted: before a child is applied, an object of
   that name must be absent or carry the model's owner reference. Another's object makes the
   model Failed with a reason naming it (`NotOwnedError`; the handler retries slowly, so the
@@ -47,8 +49,9 @@ import httpx
 
 from kubeinfer.operator.drift import first_difference
 from kubeinfer.operator.kube import ApiError, KubeApi, RejectedError, TransientApiError
-from kubeinfer.operator.manifests import INSTANCE_LABEL, KIND, PROBE_PORT, render
+from kubeinfer.operator.manifests import INSTANCE_LABEL, PROBE_PORT, render
 from kubeinfer.operator.metrics import OperatorMetrics
+from kubeinfer.operator.plan import CHILD_KINDS, is_owned, plan_children, scale_target
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError, parse_spec
@@ -58,7 +61,6 @@ from kubeinfer.operator.write_priority import WritePriority
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, model name)
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
 STATUS_DEBOUNCE_S = 0.2
 PROBE_CONCURRENCY = 32
 COMPONENT = "kubeinfer-operator"
@@ -257,8 +259,7 @@ class Reconciler:
 
     @staticmethod
     def _is_owned(child: Mapping[str, Any], model: Mapping[str, Any]) -> bool:
-        uid = model["metadata"].get("uid")
-        return any(r.get("uid") == uid for r in child["metadata"].get("ownerReferences") or [])
+        return is_owned(child, model)
 
     def _render_quietly(self, model: Mapping[str, Any]) -> list[dict[str, Any]]:
         try:
@@ -317,65 +318,51 @@ class Reconciler:
         self.request_status(key, delay=0)
 
     async def _apply_children(self, model: Mapping[str, Any]) -> list[str]:
-        """Apply what render() asks for; return the children that changed ("Kind name").
+        """Apply what `plan_children` asks for; return the children that changed ("Kind name").
 
         The Deployment goes first, on its own; a missing one is urgent and every other write
         waits its turn (`write_priority.py`)."""
-        deployment, *others = render(model, self.settings)
-        spec = parse_spec(model.get("spec") or {})
         ns, name = _key(model)
-        await self._check_ownership(model, [deployment, *others])
-        is_missing = ("Deployment", ns, name) not in self.children
-        turn = self.priority.urgent() if is_missing else self.priority.deferred()
+        lives = await self._read_children(model)
+        plan = plan_children(model, lives, self.settings)
+        if plan.failure is not None:
+            if plan.failure.reason == "NotOwned":
+                raise NotOwnedError(plan.failure.message)
+            raise InvalidSpecError(plan.failure.message)
+        if plan.wait is not None:
+            raise TransientApiError(409, plan.wait)
+        deployment, *others = plan.applies
+        spec = parse_spec(model.get("spec") or {})
+        turn = self.priority.urgent() if lives["Deployment"] is None else self.priority.deferred()
         async with turn:
             changed = await self._apply_manifests([deployment])
         async with self.priority.deferred():
             changed += await self._apply_manifests(others)
             # None: deleted while this waited its turn (the check after the apply repairs it)
-            live = self.children.get(("Deployment", ns, name))
-            if spec.autoscaling.enabled and live and live["spec"].get("replicas") != spec.replicas:
-                await self.api.scale_deployment(ns, name, spec.replicas)
-                changed.append(f"Deployment {name} replicas={spec.replicas}")
-            rendered_kinds = {"Deployment"} | {m["kind"] for m in others}
-            for kind in CHILD_KINDS:
-                if kind not in rendered_kinds and self.owned_child(kind, (ns, name)):
-                    if await self.api.delete(kind, ns, name):
-                        changed.append(f"{kind} {name} (deleted)")
-                    self.children.pop((kind, ns, name), None)
+            target = scale_target(spec, self.children.get(("Deployment", ns, name)))
+            if target is not None:
+                await self.api.scale_deployment(ns, name, target)
+                changed.append(f"Deployment {name} replicas={target}")
+            for kind in plan.deletes:
+                if await self.api.delete(kind, ns, name):
+                    changed.append(f"{kind} {name} (deleted)")
+                self.children.pop((kind, ns, name), None)
         return changed
 
-    async def _check_ownership(
-        self, model: Mapping[str, Any], manifests: list[dict[str, Any]]
-    ) -> None:
-        """NotOwnedError unless every object the manifests name is absent or the model's.
-
-        The watches only show objects with our labels: a name not among them is read (all at
-        once, so a new model costs one round trip)."""
-        keys = [(m["kind"], *_key(m)) for m in manifests]
-        unknown = [k for k in keys if k not in self.children]
-        read = await asyncio.gather(*(self.api.get(*k) for k in unknown))
-        lives = {
-            **{k: self.children[k] for k in keys if k in self.children},
-            **dict(zip(unknown, read, strict=True)),
-        }
-        for (kind, ns, name), live in lives.items():
-            if live is None or self._is_owned(live, model):
-                continue
-            owner = next(
-                (r for r in live["metadata"].get("ownerReferences") or [] if r.get("controller")),
-                None,
-            )
-            if owner and owner.get("kind") == KIND and owner.get("name") == name:
-                raise TransientApiError(
-                    409,
-                    f"{kind} {ns}/{name} still belongs to an earlier InferenceModel {name} "
-                    "(garbage collection pending)",
-                )
-            whose = f"{owner.get('kind')} {owner.get('name')}" if owner else "no owner"
-            raise NotOwnedError(
-                f"{kind} {ns}/{name} exists and is not this model's ({whose}): refusing to "
-                "take it over; delete or rename it"
-            )
+    async def _read_children(self, model: Mapping[str, Any]) -> dict[str, dict[str, Any] | None]:
+        """Each child name as the watch shows it; a rendered name it does not show (the watches
+        only see objects with our labels) is read, all in one round, so a new model costs one
+        round trip and another's unlabelled object is seen before anything is applied."""
+        ns, name = _key(model)
+        try:
+            rendered = [m["kind"] for m in render(model, self.settings)]
+        except InvalidSpecError:
+            rendered = []  # the plan says why
+        lives = {kind: self.children.get((kind, ns, name)) for kind in CHILD_KINDS}
+        unknown = [kind for kind in rendered if lives[kind] is None]
+        read = await asyncio.gather(*(self.api.get(kind, ns, name) for kind in unknown))
+        lives.update(zip(unknown, read, strict=True))
+        return lives
 
     async def _apply_manifests(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Apply independent objects together; return those that changed ("Kind name")."""
