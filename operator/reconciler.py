@@ -51,7 +51,13 @@ from kubeinfer.operator.drift import first_difference
 from kubeinfer.operator.kube import ApiError, KubeApi, RejectedError, TransientApiError
 from kubeinfer.operator.manifests import INSTANCE_LABEL, PROBE_PORT, render
 from kubeinfer.operator.metrics import OperatorMetrics
-from kubeinfer.operator.plan import CHILD_KINDS, is_owned, plan_children, scale_target
+from kubeinfer.operator.plan import (
+    CHILD_KINDS,
+    ChildPlan,
+    is_owned,
+    plan_children,
+    scale_target,
+)
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError, parse_spec
@@ -321,22 +327,26 @@ class Reconciler:
         """Apply what `plan_children` asks for; return the children that changed ("Kind name").
 
         The Deployment goes first, on its own; a missing one is urgent and every other write
-        waits its turn (`write_priority.py`)."""
+        waits its turn (`write_priority.py`). The watches only see objects with our labels: a
+        rendered name they do not show is read just before its write, so a new model's
+        critical path holds one read (its Deployment's) and the others wait with their writes."""
         ns, name = _key(model)
-        lives = await self._read_children(model)
-        plan = plan_children(model, lives, self.settings)
-        if plan.failure is not None:
-            if plan.failure.reason == "NotOwned":
-                raise NotOwnedError(plan.failure.message)
-            raise InvalidSpecError(plan.failure.message)
-        if plan.wait is not None:
-            raise TransientApiError(409, plan.wait)
+        lives = {kind: self.children.get((kind, ns, name)) for kind in CHILD_KINDS}
+        plan = self._checked(plan_children(model, lives, self.settings))
         deployment, *others = plan.applies
         spec = parse_spec(model.get("spec") or {})
-        turn = self.priority.urgent() if lives["Deployment"] is None else self.priority.deferred()
-        async with turn:
+        is_missing = lives["Deployment"] is None
+        if is_missing:
+            lives["Deployment"] = await self.api.get("Deployment", ns, name)
+            self._checked(plan_children(model, lives, self.settings))
+        async with self.priority.urgent() if is_missing else self.priority.deferred():
             changed = await self._apply_manifests([deployment])
         async with self.priority.deferred():
+            unknown = [m["kind"] for m in others if lives[m["kind"]] is None]
+            read = await asyncio.gather(*(self.api.get(kind, ns, name) for kind in unknown))
+            lives.update(zip(unknown, read, strict=True))
+            lives["Deployment"] = self.children.get(("Deployment", ns, name))
+            plan = self._checked(plan_children(model, lives, self.settings))
             changed += await self._apply_manifests(others)
             # None: deleted while this waited its turn (the check after the apply repairs it)
             target = scale_target(spec, self.children.get(("Deployment", ns, name)))
@@ -349,20 +359,17 @@ class Reconciler:
                 self.children.pop((kind, ns, name), None)
         return changed
 
-    async def _read_children(self, model: Mapping[str, Any]) -> dict[str, dict[str, Any] | None]:
-        """Each child name as the watch shows it; a rendered name it does not show (the watches
-        only see objects with our labels) is read, all in one round, so a new model costs one
-        round trip and another's unlabelled object is seen before anything is applied."""
-        ns, name = _key(model)
-        try:
-            rendered = [m["kind"] for m in render(model, self.settings)]
-        except InvalidSpecError:
-            rendered = []  # the plan says why
-        lives = {kind: self.children.get((kind, ns, name)) for kind in CHILD_KINDS}
-        unknown = [kind for kind in rendered if lives[kind] is None]
-        read = await asyncio.gather(*(self.api.get(kind, ns, name) for kind in unknown))
-        lives.update(zip(unknown, read, strict=True))
-        return lives
+    @staticmethod
+    def _checked(plan: ChildPlan) -> ChildPlan:
+        """The plan, unless it says the model fails (NotOwnedError, InvalidSpecError) or must
+        wait (TransientApiError)."""
+        if plan.failure is not None:
+            if plan.failure.reason == "NotOwned":
+                raise NotOwnedError(plan.failure.message)
+            raise InvalidSpecError(plan.failure.message)
+        if plan.wait is not None:
+            raise TransientApiError(409, plan.wait)
+        return plan
 
     async def _apply_manifests(self, manifests: list[dict[str, Any]]) -> list[str]:
         """Apply independent objects together; return those that changed ("Kind name")."""

@@ -42,7 +42,9 @@ def test_a_foreign_object_fails_the_model_and_is_left_alone(kind: str) -> None:
         r.observe_model("ADDED", model)
         with pytest.raises(NotOwnedError, match=f"{kind} models/smollm2 exists"):
             await r.apply(model)
-        assert api.num_applies == 0 and api.deleted == []
+        # a new model's Deployment is its urgent write; the Service name is read with the
+        # Service's turn, after it: the model's own new Deployment may exist, never theirs
+        assert api.calls.count(kind) == 0 and api.deleted == []
         assert api.objects[(kind, "models", "smollm2")] == theirs
         await settle()
         status = api.statuses[-1]
@@ -125,14 +127,23 @@ def test_a_foreign_pdb_is_never_deleted() -> None:
     asyncio.run(run())
 
 
-def test_a_new_model_reads_unknown_names_in_one_round_before_its_deployment() -> None:
+def test_a_new_model_reads_each_unknown_name_before_applying_over_it() -> None:
+    """Only the Deployment's read is on a new model's critical path (bench/operator_scale.py:
+    both reads first doubled the p50); the Service's waits with the Service's write."""
+
     async def run() -> None:
         r, api = reconciler()
+        api_get = api.get
+
+        async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+            api.calls.append(f"read {kind}")
+            return await api_get(kind, namespace, name)
+
+        api.get = get  # type: ignore[method-assign]
         model = make_model()
         r.observe_model("ADDED", model)
         await r.apply(model)
-        assert api.reads == ["Deployment", "Service"]  # before any write
-        assert api.calls[0] == "Deployment"
+        assert api.calls[:4] == ["read Deployment", "Deployment", "read Service", "Service"]
         await r.close()
 
     asyncio.run(run())
@@ -189,5 +200,3 @@ def test_pods_count_only_through_the_models_own_replicasets() -> None:
         await r.close()
 
     asyncio.run(run())
-
-
