@@ -28,7 +28,7 @@ $(VENV_STAMP): pyproject.toml
 	@$(TIMED) venv bash -c '\
 	  set -e; [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
 	  $(PIP) install -q --upgrade pip "setuptools>=69" wheel; \
-	  $(PIP) install -q -e ".[test]"'
+	  $(PIP) install -q -e ".[runtime,test]"'
 	@touch $@
 
 venv: $(VENV_STAMP)

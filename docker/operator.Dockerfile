@@ -20,11 +20,9 @@ COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
 COPY devcluster/ devcluster/
-# The operator never imports torch, but the distribution depends on it: the CPU wheel from
-# PyTorch's index meets the pin at a fraction of the CUDA wheel's size.
-RUN TORCH=$(python -c "import re,tomllib; d=tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']; print(next(x for x in d if re.match(r'torch\b', x)))") \
-    && pip install "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
-    && pip install . \
+# The core distribution alone: the operator never imports torch, and only the `runtime` extra
+# (the runtime image) brings it.
+RUN pip install . \
     && rm -rf /src
 
 RUN groupadd --gid 1000 kubeinfer && useradd --uid 1000 --gid 1000 --no-create-home \

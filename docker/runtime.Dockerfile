@@ -34,7 +34,7 @@ COPY operator/ operator/
 COPY devcluster/ devcluster/
 # The gpu extra: Triton for the kernels (torch from PyPI is the CUDA build).
 RUN pip install --upgrade pip "setuptools>=69" wheel \
-    && pip install ".[gpu]" \
+    && pip install ".[runtime,gpu]" \
     && rm -rf /src
 
 # The pods run as uid/gid 1000 (runAsNonRoot needs a number); Ubuntu 24.04 images already

@@ -16,6 +16,29 @@ from kubeinfer.runtime.loadgen import loadgen
 logger = logging.getLogger(__name__)
 
 
+RUNTIME_MODULES = ("torch", "safetensors", "numpy")
+
+
+def require_runtime() -> None:
+    """Exit 2 with the install command when the `runtime` extra is missing: the operator's
+    install (`pip install kubeinfer`, the operator image) has no torch."""
+    import importlib
+
+    missing = []
+    for name in RUNTIME_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        typer.echo(
+            f"error: the inference runtime needs {', '.join(missing)}, which this install lacks: "
+            "pip install 'kubeinfer[runtime]'",
+            err=True,
+        )
+        raise typer.Exit(2)
+
+
 def register(app: typer.Typer) -> None:
     """Add the runtime's commands to the root app."""
     app.command()(generate)
@@ -32,6 +55,7 @@ def generate(
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
 ) -> None:
     """Generate a greedy completion of PROMPT with the engine, streamed to stdout."""
+    require_runtime()
     if device.startswith("cpu"):
         from kubeinfer.runtime.malloc import reexec_with_tcmalloc
 
@@ -135,6 +159,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI API for one model. Every option also reads KUBEINFER_<OPTION>."""
     given = {k: v for k, v in locals().items() if v is not None}  # unset: env or default
+    require_runtime()
     from pydantic import ValidationError
 
     from kubeinfer.runtime.server.serve import serve as run_server

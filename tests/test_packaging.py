@@ -111,3 +111,46 @@ def test_every_package_folder_is_listed() -> None:
             rel = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((package, *rel)))
     assert found <= set(config["packages"]), found - set(config["packages"])
+
+
+# The operator's install is the core distribution alone (docker/operator.Dockerfile): torch,
+# safetensors and numpy come only with the `runtime` extra. Importing them is made to fail.
+WITHOUT_RUNTIME = """
+import importlib.abc, sys
+class NoRuntime(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "safetensors", "numpy"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoRuntime())
+"""
+
+
+def _without_runtime(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_RUNTIME + code], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_operator_and_the_cli_run_without_the_runtime_extra() -> None:
+    out = _without_runtime(
+        "import kubeinfer.operator.main, kubeinfer.operator.autoscale_daemon\n"
+        "from kubeinfer.cli import app\n"
+        "from typer.testing import CliRunner\n"
+        "r = CliRunner().invoke(app, ['operator', '--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print('ok')\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_serve_without_the_runtime_extra_says_what_to_install() -> None:
+    out = _without_runtime(
+        "import sys\n"
+        "from kubeinfer.cli import app\n"
+        "sys.argv = ['kubeinfer', 'serve', '--model', '/nonexistent']\n"
+        "app()\n"
+    )
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "pip install 'kubeinfer[runtime]'" in out.stderr
+    assert "torch" in out.stderr

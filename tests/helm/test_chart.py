@@ -350,11 +350,14 @@ def test_dockerfiles_match_what_is_rendered() -> None:
     runtime = (REPO / "docker" / "runtime.Dockerfile").read_text()
     operator = (REPO / "docker" / "operator.Dockerfile").read_text()
     assert re.search(r"^FROM nvidia/cuda:\S+", runtime, re.MULTILINE)
-    assert 'pip install ".[gpu]"' in runtime
-    assert (
-        "gpu"
-        in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    )
+    assert 'pip install ".[runtime,gpu]"' in runtime
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert {"runtime", "gpu"} <= set(extras)
+    # the operator image installs the core alone: no torch (tests/test_packaging.py proves the
+    # operator runs without it)
+    assert re.search(r"pip install \.(\s|$)", operator)
+    assert "torch" not in operator.split("RUN", 1)[1].split("USER", 1)[0]
     assert 'ENTRYPOINT ["kubeinfer", "serve"]' in runtime
     assert re.search(r"^FROM python:3\.\d+-slim", operator, re.MULTILINE)
     assert 'ENTRYPOINT ["kubeinfer", "operator", "run"]' in operator
