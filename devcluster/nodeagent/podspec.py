@@ -175,6 +175,11 @@ def base_env(pod: Pod, ctx: PodContext, mapping: ImageMapping) -> dict[str, str]
     if mapping.environment == "venv":
         env["PATH"] = f"{ctx.venv_bin}:{system_path}"
         env["VIRTUAL_ENV"] = str(ctx.venv_bin.parent)
+        # The CPU kernels this node already built, as an image would carry them: without it
+        # every runtime pod (its HOME an emptyDir) compiles them again, all at once on a rollout.
+        env["KUBEINFER_CACHE"] = os.environ.get("KUBEINFER_CACHE") or str(
+            Path.home() / ".cache" / "kubeinfer"
+        )
     else:
         env["PATH"] = system_path
     env.update(

@@ -138,6 +138,36 @@ def test_runtime_image_runs_with_the_project_venv(tmp_path: Path) -> None:
     assert spec.env["PATH"].split(":")[0] == "/repo/.venv/bin"
 
 
+def test_our_images_share_the_nodes_kernel_cache_unless_the_pod_sets_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runtime pods find the CPU kernels this node built (their HOME is an emptyDir, so each
+    would compile its own); python:* images get nothing of ours; a pod's own value wins."""
+    monkeypatch.setenv("KUBEINFER_CACHE", "/var/cache/ki")
+    runtime = _pod(container={"image": "kubeinfer/runtime:dev", "command": None, "args": []})
+    spec = launch_spec(
+        runtime, runtime["spec"]["containers"][0], _ctx(tmp_path), default_image_mappings(), _lookup
+    )
+    assert spec.env["KUBEINFER_CACHE"] == "/var/cache/ki"
+    plain = _pod()
+    spec = launch_spec(
+        plain, plain["spec"]["containers"][0], _ctx(tmp_path), default_image_mappings(), _lookup
+    )
+    assert "KUBEINFER_CACHE" not in spec.env
+    own = _pod(
+        container={
+            "image": "kubeinfer/runtime:dev",
+            "command": None,
+            "args": [],
+            "env": [{"name": "KUBEINFER_CACHE", "value": "/elsewhere"}],
+        }
+    )
+    spec = launch_spec(
+        own, own["spec"]["containers"][0], _ctx(tmp_path), default_image_mappings(), _lookup
+    )
+    assert spec.env["KUBEINFER_CACHE"] == "/elsewhere"
+
+
 def test_a_tmp_mount_leaves_the_agents_own_paths_alone(tmp_path: Path) -> None:
     """A checkout under /tmp (as CI may clone) and a pod with an emptyDir at /tmp (the
     operator's and the runtime's read-only-root pods): the agent's PATH, VIRTUAL_ENV and
