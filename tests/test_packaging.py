@@ -20,6 +20,7 @@ PACKAGES = [
     "kubeinfer.runtime",
     "kubeinfer.kernels",
     "kubeinfer.operator",
+    "kubeinfer.router",
     "kubeinfer.devcluster",
     "kubeinfer.runtime.models",
 ]
