@@ -17,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.applications import Starlette
@@ -32,6 +33,9 @@ from kubeinfer.router.proxy import Proxy
 from kubeinfer.router.settings import RouterSettings
 from kubeinfer.router.state import RouterState
 
+if TYPE_CHECKING:
+    from kubeinfer.operator.kube import KubeApi
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,7 +43,7 @@ async def discovery_loop(source: BackendSource, state: RouterState) -> None:
     while True:
         try:
             state.set_backends(await source.backends())
-        except Exception as exc:  # noqa: BLE001 - any failure: keep the last view, try again
+        except Exception as exc:  # any failure: keep the last view, try again
             logger.warning("listing backends failed, keeping the last view: %s", exc)
         await asyncio.sleep(state.settings.discovery_interval_s)
 
@@ -50,10 +54,13 @@ async def scrape_loop(client: httpx.AsyncClient, state: RouterState) -> None:
         targets = [
             PodTarget(p.backend.name, f"{p.backend.url}/metrics") for p in state.pods.values()
         ]
-        if targets:
+        try:
             samples = await scrape_pods(
                 client, targets, timeout_s=s.scrape_timeout_s, model_name=s.model_name
             )
+        except Exception:  # a bug here must not freeze the view: log it, scrape again
+            logger.exception("scraping the pods failed")
+        else:
             state.apply_samples(samples)
         await asyncio.sleep(s.scrape_interval_s)
 
@@ -127,7 +134,7 @@ class RouterApp:
                 await kube.close()
 
 
-async def make_source(settings: RouterSettings):  # type: ignore[no-untyped-def]
+async def make_source(settings: RouterSettings) -> tuple[BackendSource, KubeApi | None]:
     """The settings' backend source; with a selector also the KubeApi to close at the end."""
     if settings.selector:
         from kubeinfer.operator.kube import KubeApi

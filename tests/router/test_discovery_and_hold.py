@@ -10,6 +10,7 @@ import pytest
 from kubeinfer.router.discovery import (
     Backend,
     InvalidBackendError,
+    KubePodSource,
     StaticSource,
     parse_backend_url,
     ready_pod_backends,
@@ -91,3 +92,22 @@ def test_a_held_request_times_out_or_leaves_the_queue_when_cancelled() -> None:
         assert len(queue) == 0 and queue.release_all() == 0
 
     asyncio.run(main())
+
+
+def test_the_pod_source_lists_by_selector_from_the_api_cache() -> None:
+    calls = []
+
+    class FakeApi:
+        async def request(self, method: str, path: str, *, query: dict) -> dict:
+            calls.append((method, path, query))
+            return {"items": [pod("m-0", "127.1.0.9", True), pod("m-1", "127.1.0.8", False)]}
+
+    source = KubePodSource(FakeApi(), "models", "app.kubernetes.io/instance=m", 8000)
+    assert asyncio.run(source.backends()) == [Backend("m-0", "http://127.1.0.9:8000")]
+    assert calls == [
+        (
+            "GET",
+            "/api/v1/namespaces/models/pods",
+            {"labelSelector": "app.kubernetes.io/instance=m", "resourceVersion": "0"},
+        )
+    ]
