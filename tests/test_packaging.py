@@ -20,6 +20,7 @@ PACKAGES = [
     "kubeinfer.runtime",
     "kubeinfer.kernels",
     "kubeinfer.operator",
+    "kubeinfer.router",
     "kubeinfer.devcluster",
     "kubeinfer.runtime.models",
 ]
@@ -154,3 +155,17 @@ def test_serve_without_the_runtime_extra_says_what_to_install() -> None:
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "pip install 'kubeinfer[runtime]'" in out.stderr
     assert "torch" in out.stderr
+
+
+def test_the_router_runs_without_the_runtime_extra() -> None:
+    """`kubeinfer router` ships in the core install (the operator's image can run it)."""
+    out = _without_runtime(
+        "import kubeinfer.router.app, kubeinfer.router.serve\n"
+        "from kubeinfer.cli import app\n"
+        "from typer.testing import CliRunner\n"
+        "r = CliRunner().invoke(app, ['router', '--help'])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print('ok')\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")

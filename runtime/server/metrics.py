@@ -2,6 +2,11 @@
 
 Counters and gauges are read from the engine at scrape time (one source of truth: the
 engine's own counters); latency histograms are observed as requests finish.
+
+`vllm:cache_config_info` is vLLM's info gauge (always 1) whose labels describe the KV cache
+(`block_size`, `num_gpu_blocks`, ...); routers and the Gateway API Inference Extension's
+endpoint picker read the KV capacity from it. Like vLLM, it appears once the engine is up, and
+`num_gpu_blocks` is the pool's size on any device (vLLM's CPU backend reports it the same way).
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             prefix.num_hit_tokens if prefix else 0,
         )
+        if engine is not None:
+            yield _cache_config_info(engine)
         success = CounterMetricFamily(
             "vllm:request_success", "Finished requests.", labels=["model_name", "finished_reason"]
         )
@@ -119,6 +126,26 @@ class _EngineCollector(Collector):
             count = stats.num_requests_finished.get(reason, 0) if stats else 0
             success.add_metric([self.model_name, reason], count)
         yield success
+
+
+def _cache_config_info(engine: Engine) -> GaugeMetricFamily:
+    """vLLM's `CacheConfig.metrics_info()` labels that mean something here, as vLLM writes
+    them (`str()` of each value: "True", "None"); the KV dtype follows the model's ("auto")."""
+    kv = engine.kv_cache
+    labels = {
+        "block_size": str(kv.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(kv.enable_prefix_caching),
+        "gpu_memory_utilization": str(engine.config.kv_cache_memory_fraction),
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(kv.num_blocks),
+        "engine": "0",
+    }
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
+    )
+    info.add_metric(list(labels.values()), 1.0)
+    return info
 
 
 class RuntimeMetrics:
