@@ -39,7 +39,7 @@ class WorkQueue:
     def __init__(
         self,
         *,
-        num_workers: int = 16,
+        num_workers: int = 32,
         base_delay_s: float = 0.5,
         max_delay_s: float = 60.0,
         resync_s: float = 300.0,
