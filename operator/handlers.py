@@ -1,13 +1,13 @@
-"""kopf wiring: which watch events reach the `Reconciler`, and with which retry policy.
+"""kopf wiring: every watch event goes to `Reconciler.observe`, which queues the model's key.
 
 `build_registry(settings)` registers, on a registry of its own (never kopf's global one):
-startup/cleanup/login/probe activities; create/update/resume of InferenceModels, each one
-apply (transient API errors become `kopf.TemporaryError`, so kopf retries with backoff); silent
-watches of models, of their children (Deployments, Services, PDBs: drift repair), of their
-ReplicaSets and pods (status; pods are matched to models through the ReplicaSets' owners);
-and, for models with `spec.autoscaling.enabled`, the autoscaler's per-model daemon from
-`autoscale_daemon.py`. A model blocked by an object it does not own is retried every
-`NOT_OWNED_RETRY_S`. Handlers return nothing, so kopf writes nothing to status.
+startup/cleanup/login/probe activities; silent watches (`kopf.on.event`: kopf writes nothing
+to the objects, no annotations, no status) of InferenceModels (created, changed, deleted, and
+every one listed when the operator starts), of their children (Deployments, Services, PDBs),
+of their ReplicaSets and of their pods (children, ReplicaSets and pods by our label); and, for
+models with `spec.autoscaling.enabled`, the autoscaler's per-model daemon from
+`autoscale_daemon.py`, the one handler that makes kopf add a finalizer. What happens then is
+the reconciler's (`reconciler.py`): retries, resync and ordering are its queue's.
 """
 
 from __future__ import annotations
@@ -18,29 +18,24 @@ from typing import Any
 import kopf
 
 from kubeinfer.operator.autoscale_daemon import autoscale_daemon, autoscaling_enabled
-from kubeinfer.operator.kube import TransientApiError
-from kubeinfer.operator.manifests import GROUP, MANAGED_BY, MANAGED_BY_LABEL, PLURAL, VERSION
-from kubeinfer.operator.reconciler import NotOwnedError, Reconciler
+from kubeinfer.operator.manifests import GROUP, KIND, MANAGED_BY, MANAGED_BY_LABEL, PLURAL, VERSION
+from kubeinfer.operator.reconciler import Reconciler
 from kubeinfer.operator.settings import OperatorSettings
 
 logger = logging.getLogger(__name__)
 
-ANNOTATION_PREFIX = "kubeinfer.dev"
 FINALIZER = "kubeinfer.dev/operator"
 OURS = {MANAGED_BY_LABEL: MANAGED_BY}
 OURS_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
-RETRY_DELAY_S = 5.0
-#: A model blocked by another's object looks again this often (it is Failed meanwhile).
-NOT_OWNED_RETRY_S = 30.0
-#: The children's and pods' resources as kopf selectors.
-CHILDREN: tuple[tuple[str, ...], ...] = (
+#: The children's, ReplicaSets' and pods' resources as kopf selectors.
+WATCHED: tuple[tuple[str, ...], ...] = (
     ("apps", "v1", "deployments"),
     ("v1", "services"),
     ("policy", "v1", "poddisruptionbudgets"),
+    # pods are matched to models through their ReplicaSet's owner (the model's Deployment)
+    ("apps", "v1", "replicasets"),
+    ("v1", "pods"),
 )
-PODS = ("v1", "pods")
-#: Pods are matched to models through their ReplicaSet's owner (the model's Deployment).
-REPLICASETS = ("apps", "v1", "replicasets")
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -58,17 +53,12 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
-        p = settings.persistence
-        p.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-        p.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-        )
-        p.finalizer = FINALIZER  # only the autoscaling daemon needs one
+        settings.persistence.finalizer = FINALIZER  # only the autoscaling daemon needs one
         settings.posting.reporting_component = "kubeinfer-operator"
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
-        for child in (*CHILDREN, PODS, REPLICASETS):
-            settings.watching.label_selectors[child] = OURS_SELECTOR
+        for resource in WATCHED:
+            settings.watching.label_selectors[resource] = OURS_SELECTOR
         _reconciler(memo).start()
 
     @kopf.on.cleanup(registry=registry)
@@ -82,45 +72,17 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 
     @kopf.on.probe(id="models", registry=registry)
     def num_models(memo: Any, **_: Any) -> int:
-        return len(_reconciler(memo).models)
+        return len(_reconciler(memo).store.models)
 
     @kopf.on.event(*model, registry=registry)
     async def model_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
-        _reconciler(memo).observe_model(type, _plain(body))
+        _reconciler(memo).observe(KIND, type, _plain(body))
 
-    async def apply(body: Any, memo: Any) -> None:
-        try:
-            await _reconciler(memo).apply(_plain(body))
-        except TransientApiError as exc:
-            raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
-        except NotOwnedError as exc:
-            raise kopf.TemporaryError(str(exc), delay=NOT_OWNED_RETRY_S) from exc
+    for resource in WATCHED:
 
-    @kopf.on.resume(*model, registry=registry)
-    async def resumed(body: Any, memo: Any, **_: Any) -> None:
-        await apply(body, memo)
-
-    @kopf.on.create(*model, registry=registry)
-    async def created(body: Any, memo: Any, **_: Any) -> None:
-        await apply(body, memo)
-
-    @kopf.on.update(*model, field="spec", registry=registry)
-    async def updated(body: Any, memo: Any, **_: Any) -> None:
-        await apply(body, memo)
-
-    for child in CHILDREN:
-
-        @kopf.on.event(*child, labels=OURS, registry=registry)
-        async def child_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
-            _reconciler(memo).observe_child(type, _plain(body))
-
-    @kopf.on.event(*REPLICASETS, labels=OURS, registry=registry)
-    async def replicaset_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
-        _reconciler(memo).observe_replicaset(type, _plain(body))
-
-    @kopf.on.event(*PODS, labels=OURS, registry=registry)
-    async def pod_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
-        _reconciler(memo).observe_pod(type, _plain(body))
+        @kopf.on.event(*resource, labels=OURS, registry=registry)
+        async def watched_event(type: str | None, body: Any, memo: Any, **_: Any) -> None:
+            _reconciler(memo).observe(body["kind"], type, _plain(body))
 
     # On deletion (or autoscaling turned off) the daemon gets 1 s to leave by itself, then is
     # cancelled: without this kopf only looks again after a minute, holding the finalizer.

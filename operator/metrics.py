@@ -1,7 +1,8 @@
 """The operator's own Prometheus metrics (`kubeinfer_operator_*`) on a registry of its own.
 
 Reconciles by result, errors by kind, reconcile durations, drift repairs by child kind,
-status writes, the number of models watched, and whether this replica leads. `serve` starts
+status writes, the number of models watched, the keys waiting in the work queue, and whether
+this replica leads. `serve` starts
 the /metrics endpoint.
 """
 
@@ -16,7 +17,8 @@ class OperatorMetrics:
         r = self.registry
         self.reconciles = Counter(
             "kubeinfer_operator_reconciles",
-            "Applies of an InferenceModel's children, by result.",
+            "Reconciles of an InferenceModel, by result: applied (something was written), "
+            "unchanged (nothing to write), failed (cannot be served as asked), retry.",
             ["result"],
             registry=r,
         )
@@ -28,7 +30,7 @@ class OperatorMetrics:
         )
         self.duration = Histogram(
             "kubeinfer_operator_reconcile_duration_seconds",
-            "Time to render and apply one InferenceModel's children.",
+            "Time of one reconcile: snapshot, plan and writes.",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
@@ -43,6 +45,11 @@ class OperatorMetrics:
         )
         self.models = Gauge(
             "kubeinfer_operator_models", "InferenceModels the operator watches.", registry=r
+        )
+        self.queue_depth = Gauge(
+            "kubeinfer_operator_queue_depth",
+            "InferenceModel keys waiting in the work queue.",
+            registry=r,
         )
         self.is_leader = Gauge(
             "kubeinfer_operator_leader",

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from kubeinfer.operator.kube import TransientApiError
-from kubeinfer.operator.manifests import labels
-from kubeinfer.operator.reconciler import NotOwnedError
+from kubeinfer.operator.manifests import KIND, labels
+from kubeinfer.operator.store import Store
 from tests.operator.conftest import make_model
-from tests.operator.test_reconciler import applied_reconciler, reconciler, settle
+from tests.operator.test_reconciler import KEY, converge, setup
 
 
 def foreign(kind: str, owner: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
@@ -33,120 +32,37 @@ def foreign(kind: str, owner: dict[str, Any] | None = None, **meta: Any) -> dict
 
 
 @pytest.mark.parametrize("kind", ["Service", "Deployment"])
-def test_a_foreign_object_fails_the_model_and_is_left_alone(kind: str) -> None:
-    async def run() -> None:
-        r, api = reconciler()
-        theirs = foreign(kind)
-        api.objects[(kind, "models", "smollm2")] = copy.deepcopy(theirs)
-        model = make_model()
-        r.observe_model("ADDED", model)
-        with pytest.raises(NotOwnedError, match=f"{kind} models/smollm2 exists"):
-            await r.apply(model)
-        # a new model's Deployment is its urgent write; the Service name is read with the
-        # Service's turn, after it: the model's own new Deployment may exist, never theirs
-        assert api.calls.count(kind) == 0 and api.deleted == []
-        assert api.objects[(kind, "models", "smollm2")] == theirs
-        await settle()
-        status = api.statuses[-1]
-        assert status["phase"] == "Failed"
-        assert f"{kind} models/smollm2" in json_text(status)
-        assert "event" in api.calls and status["conditions"][0]["reason"] == "NotOwned"
-        await r.close()
-
-    asyncio.run(run())
-
-
-def json_text(obj: Any) -> str:
-    import json
-
-    return json.dumps(obj)
-
-
-def test_a_foreign_object_with_our_labels_is_not_adopted_either() -> None:
-    """The watches see labelled objects: labels copied onto someone's Service do not make it
-    the model's."""
-
-    async def run() -> None:
-        r, api = reconciler()
-        theirs = foreign("Service", labels=labels("smollm2"))
-        api.objects[("Service", "models", "smollm2")] = theirs
-        r.observe_child("ADDED", theirs)
-        model = make_model()
-        r.observe_model("ADDED", model)
-        with pytest.raises(NotOwnedError):
-            await r.apply(model)
-        assert api.num_applies == 0
-        await r.close()
-
-    asyncio.run(run())
-
-
-def test_the_model_recovers_once_the_foreign_object_is_gone() -> None:
-    async def run() -> None:
-        r, api = reconciler()
-        api.objects[("Service", "models", "smollm2")] = foreign("Service")
-        model = make_model()
-        r.observe_model("ADDED", model)
-        with pytest.raises(NotOwnedError):
-            await r.apply(model)
-        del api.objects[("Service", "models", "smollm2")]
-        await r.apply(model)  # kopf's retry
-        assert {k[0] for k in api.objects} == {"Deployment", "Service"}
-        await settle()
-        assert api.statuses[-1]["phase"] != "Failed"
-        await r.close()
-
-    asyncio.run(run())
+def test_an_unlabelled_foreign_object_is_read_fails_the_model_and_is_left_alone(
+    kind: str,
+) -> None:
+    """The watches only show labelled objects: each rendered name they do not show is read
+    before anything is applied over it."""
+    r, api = setup()
+    theirs = foreign(kind)
+    api.objects[(kind, *KEY)] = copy.deepcopy(theirs)
+    converge(r, max_passes=2)
+    assert api.objects[(kind, *KEY)] == theirs and kind not in api.calls
+    assert not any(c.startswith("delete") for c in api.calls)
+    status = api.objects[(KIND, *KEY)]["status"]
+    assert status["phase"] == "Failed" and status["conditions"][0]["reason"] == "NotOwned"
+    assert f"{kind} models/smollm2 exists" in status["conditions"][0]["message"]
 
 
 def test_an_earlier_models_leftover_is_a_transient_wait() -> None:
-    async def run() -> None:
-        r, api = reconciler()
-        earlier = {"apiVersion": "kubeinfer.dev/v1alpha1", "kind": "InferenceModel",
-                   "name": "smollm2", "uid": "old-uid", "controller": True}  # fmt: skip
-        api.objects[("Deployment", "models", "smollm2")] = foreign("Deployment", earlier)
-        model = make_model()
-        r.observe_model("ADDED", model)
-        with pytest.raises(TransientApiError, match="garbage collection pending"):
-            await r.apply(model)
-        assert api.num_applies == 0
-        await r.close()
-
-    asyncio.run(run())
+    r, api = setup()
+    earlier = {"apiVersion": "kubeinfer.dev/v1alpha1", "kind": "InferenceModel",
+               "name": "smollm2", "uid": "old-uid", "controller": True}  # fmt: skip
+    api.objects[("Deployment", *KEY)] = foreign("Deployment", earlier)
+    requeue = asyncio.run(r.reconcile(KEY))
+    assert requeue is not None and api.calls == ["read Deployment", "read Service"]  # no write
 
 
-def test_a_foreign_pdb_is_never_deleted() -> None:
-    async def run() -> None:
-        r, api = await applied_reconciler()  # one replica: no PDB wanted
-        theirs = foreign("PodDisruptionBudget", labels=labels("smollm2"))
-        r.observe_child("ADDED", theirs)
-        await r.apply(make_model())
-        assert api.deleted == []
-        await r.close()
-
-    asyncio.run(run())
-
-
-def test_a_new_model_reads_each_unknown_name_before_applying_over_it() -> None:
-    """Only the Deployment's read is on a new model's critical path (bench/operator_scale.py:
-    both reads first doubled the p50); the Service's waits with the Service's write."""
-
-    async def run() -> None:
-        r, api = reconciler()
-        api_get = api.get
-
-        async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-            api.calls.append(f"read {kind}")
-            return await api_get(kind, namespace, name)
-
-        api.get = get  # type: ignore[method-assign]
-        model = make_model()
-        r.observe_model("ADDED", model)
-        await r.apply(model)
-        assert api.calls[:4] == ["read Deployment", "Deployment", "read Service", "Service"]
-        await r.close()
-
-    asyncio.run(run())
+def test_a_foreign_object_with_our_labels_is_not_an_owned_child() -> None:
+    store = Store()
+    store.observe(KIND, "ADDED", make_model())
+    store.observe("Service", "ADDED", foreign("Service", labels=labels("smollm2")))
+    assert store.child("Service", KEY) is not None  # for the ownership check
+    assert store.owned_child("Service", KEY) is None
 
 
 def _replicaset(name: str, uid: str, deployment_uid: str) -> dict[str, Any]:
@@ -183,20 +99,18 @@ def _pod(name: str, rs_uid: str | None) -> dict[str, Any]:
 def test_pods_count_only_through_the_models_own_replicasets() -> None:
     """A pod that copies the model's labels (no owner, or another Deployment's ReplicaSet) is
     neither counted nor probed."""
-
-    async def run() -> None:
-        r, api = await applied_reconciler()
-        dep = copy.deepcopy(api.objects[("Deployment", "models", "smollm2")])
-        dep["metadata"]["uid"] = "dep-uid"
-        r.observe_child("MODIFIED", dep)
-        r.observe_replicaset("ADDED", _replicaset("smollm2-abc", "rs-1", "dep-uid"))
-        r.observe_replicaset("ADDED", _replicaset("impostor-abc", "rs-2", "other-dep"))
-        r.observe_pod("ADDED", _pod("smollm2-abc-1", "rs-1"))
-        r.observe_pod("ADDED", _pod("copycat", None))
-        r.observe_pod("ADDED", _pod("impostor-abc-1", "rs-2"))
-        assert set(r.owned_pods(("models", "smollm2"))) == {"smollm2-abc-1"}
-        r.observe_replicaset("DELETED", _replicaset("smollm2-abc", "rs-1", "dep-uid"))
-        assert r.owned_pods(("models", "smollm2")) == {}
-        await r.close()
-
-    asyncio.run(run())
+    store = Store()
+    model = make_model()
+    store.observe(KIND, "ADDED", model)
+    dep = foreign("Deployment", {"kind": KIND, "uid": model["metadata"]["uid"]}, uid="dep-uid")
+    store.observe("Deployment", "ADDED", dep)
+    assert (
+        store.observe("ReplicaSet", "ADDED", _replicaset("smollm2-abc", "rs-1", "dep-uid")) == KEY
+    )
+    store.observe("ReplicaSet", "ADDED", _replicaset("impostor-abc", "rs-2", "other-dep"))
+    assert store.observe("Pod", "ADDED", _pod("smollm2-abc-1", "rs-1")) == KEY
+    store.observe("Pod", "ADDED", _pod("copycat", None))
+    store.observe("Pod", "ADDED", _pod("impostor-abc-1", "rs-2"))
+    assert set(store.owned_pods(KEY)) == {"smollm2-abc-1"}
+    store.observe("ReplicaSet", "DELETED", _replicaset("smollm2-abc", "rs-1", "dep-uid"))
+    assert store.owned_pods(KEY) == {}
