@@ -6,6 +6,7 @@ Python's standard module for every library in the process.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,9 +22,11 @@ PACKAGES = [
     "kubeinfer.kernels",
     "kubeinfer.operator",
     "kubeinfer.router",
-    "kubeinfer.devcluster",
     "kubeinfer.runtime.models",
+    "kubeinfer.cli",
 ]
+# Only a checkout's editable install has these (setup.py leaves them out of the wheel).
+DEV_ONLY = ["kubeinfer.devcluster", "kubeinfer.runtime.testing", "kubeinfer.operator.testing"]
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 PROBE = f"""
@@ -36,11 +39,32 @@ import kubeinfer.operator
 assert kubeinfer.operator is not operator
 print(importlib.import_module("kubeinfer").__file__)
 """
+# with_dev: the dev-only modules import and `kubeinfer dev` exists; else neither
+PROBE_DEV = """
+import importlib, sys
+from kubeinfer.cli import app
+names = {{g.name for g in app.registered_groups}}
+for name in {dev!r}:
+    try:
+        importlib.import_module(name)
+        found = True
+    except ModuleNotFoundError:
+        found = False
+    assert found is {with_dev}, (name, found)
+assert ("dev" in names) is {with_dev}, names
+assert "operator" in names, names
+"""
 
 
-def probe(cwd: Path, env: dict[str, str] | None = None) -> str:
+def probe(cwd: Path, env: dict[str, str] | None = None, with_dev: bool = True) -> str:
+    code = PROBE + PROBE_DEV.format(dev=DEV_ONLY, with_dev=with_dev)
+    if not with_dev:  # the wheel alone: this venv's editable finder would map the checkout in
+        code = (
+            "import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n" + code
+        )
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -55,6 +79,19 @@ def test_editable_install_imports(tmp_path: Path, where: str) -> None:
 
 @pytest.mark.slow
 def test_wheel_installs_and_imports(tmp_path: Path) -> None:
+    # built from a copy of the tracked and new files: a checkout's build/ may hold stale modules
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
+    source = tmp_path / "src"
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -67,7 +104,7 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
             "--no-build-isolation",
             "-w",
             str(wheels),
-            str(REPO),
+            str(source),
         ],
         check=True,
         capture_output=True,
@@ -78,6 +115,11 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
     assert "kubeinfer/runtime/models/llama.py" in names
     assert "kubeinfer/kernels/cpu/paged_attention.cpp" in names  # built where it runs
     assert "kubeinfer/kernels/cpu/common.h" in names
+    assert "kubeinfer/router/picker.py" in names
+    # what only a checkout uses stays out: the dev cluster and the test helpers
+    assert not any(n.startswith("kubeinfer/devcluster/") for n in names), names
+    assert "kubeinfer/runtime/testing.py" not in names
+    assert "kubeinfer/operator/testing.py" not in names
     assert not any(n.startswith(("operator/", "runtime/", "kernels/")) for n in names), names
     target = tmp_path / "site"
     subprocess.run(
@@ -96,7 +138,7 @@ def test_wheel_installs_and_imports(tmp_path: Path) -> None:
         capture_output=True,
     )
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
-    location = probe(tmp_path, env)
+    location = probe(tmp_path, env, with_dev=False)
     assert location.startswith(str(target)), location  # the wheel's copy, not the checkout
 
 
