@@ -14,11 +14,12 @@ ENV PIP_NO_CACHE_DIR=1 \
     HOME=/tmp
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kubeinfer/ kubeinfer/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY router/ router/
 COPY devcluster/ devcluster/
 # The core distribution alone: the operator never imports torch, and only the `runtime` extra
 # (the runtime image) brings it.

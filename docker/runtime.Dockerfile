@@ -26,11 +26,12 @@ RUN apt-get update \
 
 WORKDIR /src
 # Metadata first, so that a code-only change reuses the (several-GB) dependency layer.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kubeinfer/ kubeinfer/
 COPY runtime/ runtime/
 COPY kernels/ kernels/
 COPY operator/ operator/
+COPY router/ router/
 COPY devcluster/ devcluster/
 # The gpu extra: Triton for the kernels (torch from PyPI is the CUDA build).
 RUN pip install --upgrade pip "setuptools>=69" wheel \

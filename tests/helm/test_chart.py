@@ -359,6 +359,14 @@ def test_dockerfiles_match_what_is_rendered() -> None:
     assert re.search(r"pip install \.(\s|$)", operator)
     assert "torch" not in operator.split("RUN", 1)[1].split("USER", 1)[0]
     assert 'ENTRYPOINT ["kubeinfer", "serve"]' in runtime
+    # both images build the distribution: every folder it maps, and setup.py, are copied in
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"][
+        "setuptools"
+    ]["package-dir"].values()
+    for text in (runtime, operator):
+        assert re.search(r"^COPY pyproject\.toml setup\.py README\.md \./$", text, re.MULTILINE)
+        for folder in folders:
+            assert re.search(rf"^COPY {folder}/ {folder}/$", text, re.MULTILINE), folder
     assert re.search(r"^FROM python:3\.\d+-slim", operator, re.MULTILINE)
     assert 'ENTRYPOINT ["kubeinfer", "operator", "run"]' in operator
     # the uid the pods run as (operator/manifests.py, the chart's podSecurityContext)
