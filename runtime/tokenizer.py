@@ -73,6 +73,11 @@ class Tokenizer:
         return cls(tok, special, template, eos_ids)
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The `tokenizers` object (its vocabulary, for guided decoding's token table)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

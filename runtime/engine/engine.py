@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kubeinfer.runtime.engine.config import EngineConfig, default_batched_tokens
+from kubeinfer.runtime.engine.guided import GrammarCompiler
 from kubeinfer.runtime.engine.isolation import StepFailures, failure_message
 from kubeinfer.runtime.engine.kv_cache import KVCacheManager
 from kubeinfer.runtime.engine.model_runner import ModelRunner
@@ -82,6 +83,7 @@ class Engine:
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.eos_token_ids = eos or frozenset(self.runner.model.config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.num_logits, self.eos_token_ids)
         self.failures = StepFailures(
             self.scheduler, self.runner, self.config.max_consecutive_step_failures
         )
@@ -112,7 +114,9 @@ class Engine:
         """Tokenize and validate, without touching engine state (safe from another thread).
 
         Requests share cached prefix blocks only when their `cache_salt`s are equal (e.g. one
-        salt per tenant, so that no tenant can probe another's prompts by timing)."""
+        salt per tenant, so that no tenant can probe another's prompts by timing). A guided
+        request's grammar is compiled here (cached: the server compiles it on a CPU thread
+        first, so that the event loop only finds it in the cache)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -123,8 +127,15 @@ class Engine:
         check_fits(
             len(ids), params, self.max_model_len, self.kv_cache.num_blocks, self.kv_cache.block_size
         )
+        grammar = self.grammars.compile(params.guided) if params.guided else None
         return Request(
-            request_id, ids, params, self.eos_token_ids, prompt=text, cache_salt=cache_salt
+            request_id,
+            ids,
+            params,
+            self.eos_token_ids,
+            prompt=text,
+            cache_salt=cache_salt,
+            grammar=grammar,
         )
 
     def add(self, request: Request) -> str:

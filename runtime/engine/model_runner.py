@@ -23,6 +23,7 @@ import torch
 from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
+from kubeinfer.runtime.engine.guided import GrammarMatchers
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
 from kubeinfer.runtime.engine.sched_output import ScheduledRequest, SchedulerOutput
@@ -94,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.staging = HostStaging(self.device)  # pinned step metadata on CUDA
         self._generators: dict[str, torch.Generator] = {}
+        self.grammar_matchers = GrammarMatchers(self.num_logits)  # guided requests' state
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB)",
             self.num_blocks,
@@ -126,8 +128,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request (its generator, its block-table row)."""
+        """Forget a finished request (its generator, its block-table row, its matcher)."""
         self._generators.pop(request_id, None)
+        self.grammar_matchers.release(request_id)
         self.block_tables.release(request_id)
 
     def roll_back(self, step_ids: list[str], preempted_ids: list[str]) -> None:
@@ -136,6 +139,7 @@ class ModelRunner:
         may have drawn from them; `_sampling_row` rebuilds each from its seed)."""
         for request_id in preempted_ids:
             self.block_tables.release(request_id)
+            self.grammar_matchers.release(request_id)
         for request_id in step_ids:
             self._generators.pop(request_id, None)
 
@@ -148,16 +152,22 @@ class ModelRunner:
 
         Checked here: the tokens to compute are in the vocabulary (a prompt that got past
         validation would index the embedding out of bounds: on CUDA a device-side assert,
-        which no process survives), the banned ids are, and a seeded generator can be made.
+        which no process survives), the banned ids are, and a seeded generator can be made;
+        a guided request's matcher is brought in step with its output (`GrammarMatchers.sync`).
         """
         for request_id in out.preempted_ids:  # their blocks are gone; rows are re-made later
             self.block_tables.release(request_id)
+            self.grammar_matchers.release(request_id)  # rebuilt from the output by sync()
         rows: list[SamplingRow | None] = []
         failures: dict[int, Exception] = {}
         for i, s in enumerate(out.scheduled):
             try:
                 _check_new_prompt_ids(s, self.vocab_size)
-                rows.append(self._sampling_row(s.request) if s.completes_prefill else None)
+                row = None
+                if s.completes_prefill:
+                    row = self._sampling_row(s.request)
+                    self.grammar_matchers.sync(s.request)
+                rows.append(row)
             except Exception as e:  # noqa: BLE001 - any error here belongs to this request
                 rows.append(None)
                 failures[i] = e
@@ -191,6 +201,8 @@ class ModelRunner:
         if not sampling:
             return results
         logits = self.model.compute_logits(hidden[put(np.array(batch.logits_indices))])
+        if self.grammar_matchers.num_matchers:  # guided decoding: forbidden tokens to -inf
+            self.grammar_matchers.mask_logits(logits, [out.scheduled[i].request for i in sampling])
         sample_rows = [row for i in sampling if (row := rows[i]) is not None]
         if len(sample_rows) != len(sampling):
             raise RuntimeError("prepare() and execute() disagree on the rows that sample")

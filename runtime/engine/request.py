@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +50,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of its full blocks (prefix cache), computed once per block."""
     times: RequestTimes = field(default_factory=RequestTimes)
+    grammar: CompiledGrammar | None = None
+    """Its output's grammar when `sampling_params.guided` is set (compiled by guided.py)."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kubeinfer.runtime.engine.guided_spec import GuidedSpec
+
 _GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM)
 
 
@@ -34,6 +36,8 @@ class SamplingParams:
     """Generate at least this many tokens before EOS or stop tokens may end the request."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    guided: GuidedSpec | None = None
+    """The output must match this schema, regex, choice or grammar (guided decoding)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -69,6 +69,7 @@ async def _completion(body: CompletionRequest, state: ServerState) -> Response:
         raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
     with state.admission.preparing(state.engine_queue(), len(prompts), limits):
         prompt_ids = await state.run_cpu(_encode_all, tokenizer, prompts)
+        await _compile_guided(engine, state, body)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         jobs = _jobs(engine, state, limits, body, prompt_ids, max_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -115,6 +116,7 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
+        await _compile_guided(engine, state, body)
         max_model_len = engine.engine.max_model_len
         max_tokens = body.requested_max_tokens or max(max_model_len - len(prompt_ids), 1)
         (job,) = _jobs(engine, state, limits, body, [prompt_ids], max_tokens)
@@ -166,6 +168,14 @@ def _engine_for(state: ServerState, body: _Sampling) -> tuple[AsyncEngine, Reque
             "model_not_found",
         )
     return state.require_engine()
+
+
+async def _compile_guided(engine: AsyncEngine, state: ServerState, body: _Sampling) -> None:
+    """Compile a structured output's grammar on the CPU pool (a 400 naming the field if it
+    does not compile); `make_request` then finds it in the compiler's cache."""
+    spec = body.guided_spec()
+    if spec is not None:
+        await state.run_cpu(engine.engine.grammars.compile, spec)
 
 
 def _encode_all(tokenizer: Tokenizer | None, prompts: list[str | list[int]]) -> list[list[int]]:

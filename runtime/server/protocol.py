@@ -3,7 +3,8 @@
 Fields OpenAI defines that kubeinfer does not implement are accepted at their neutral value
 and refused otherwise with a message saying so (n > 1, echo, logprobs, penalties, ...);
 fields OpenAI does not define are refused by name. vLLM's extensions (top_k, min_p,
-stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt) are supported. Sizes
+stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt) are supported, and
+structured outputs (response_format and vLLM's guided_* fields: protocol_guided.py). Sizes
 the server caps by its settings (prompts, stop strings, messages, characters) are checked in
 limits.py; token ids against the vocabulary in the engine.
 """
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
+from kubeinfer.runtime.server.protocol_guided import GuidedFields
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
@@ -25,7 +27,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(GuidedFields):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -62,6 +64,7 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         for value in self._unsupported_extras():
             raise ValueError(value)
+        self.guided_spec()  # at most one structured output field, within its size caps
         return self
 
     def _unsupported_extras(self) -> list[str]:
@@ -85,6 +88,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens,
+            guided=self.guided_spec(),
         )
 
 
@@ -157,7 +161,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def _unsupported_extras(self) -> list[str]:
@@ -168,8 +171,6 @@ class ChatCompletionRequest(_Sampling):
             errors.append("tools are not supported")
         if self.tool_choice not in (None, "none", "auto"):
             errors.append("tool_choice is not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            errors.append("response_format other than text is not supported")
         if self.max_tokens and self.max_completion_tokens:
             errors.append("give max_tokens or max_completion_tokens, not both")
         return errors
