@@ -28,6 +28,7 @@ from kubeinfer.runtime.server.limits import RequestLimits, check_chat, check_com
 from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from kubeinfer.runtime.server.sse import Job, chat_chunks, completion_chunks, sse, usage
 from kubeinfer.runtime.server.state import ServerState
+from kubeinfer.runtime.server.tool_calls import parse_output, template_inputs, tool_finish_reason
 from kubeinfer.runtime.tokenizer import ChatTemplateError, Tokenizer
 
 router = APIRouter()
@@ -104,7 +105,7 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
     tokenizer = engine.engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
-    messages = [m.as_template_message() for m in body.messages]
+    messages, extra = template_inputs(body, tokenizer.chat_template)
     with state.admission.preparing(state.engine_queue(), 1, limits):
         try:
             prompt_ids = await state.run_cpu(
@@ -112,6 +113,7 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
                     tokenizer.encode_chat,
                     messages,
                     add_generation_prompt=body.add_generation_prompt,
+                    **extra,
                 )
             )
         except ChatTemplateError as e:
@@ -125,11 +127,15 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
         return sse(chat_chunks(job, body, state.model_name, rid, created))
     (out,) = await _collect([job])
     completion = out.outputs[0]
+    content, calls = parse_output(completion.text, body)
+    message: dict[str, object] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.as_openai() for c in calls]
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": completion.text},
+        "message": message,
         "logprobs": None,
-        "finish_reason": completion.finish_reason,
+        "finish_reason": tool_finish_reason(completion.finish_reason, calls, body),
         "stop_reason": completion.stop_reason,
     }
     return JSONResponse(

@@ -4,19 +4,23 @@ Fields OpenAI defines that kubeinfer does not implement are accepted at their ne
 and refused otherwise with a message saying so (n > 1, echo, logprobs, penalties, ...);
 fields OpenAI does not define are refused by name. vLLM's extensions (top_k, min_p,
 stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt) are supported, and
-structured outputs (response_format and vLLM's guided_* fields: protocol_guided.py). Sizes
+structured outputs (response_format and vLLM's guided_* fields: protocol_guided.py), and tool
+calling (tools, tool_choice, tool messages: protocol_tools.py). Sizes
 the server caps by its settings (prompts, stop strings, messages, characters) are checked in
 limits.py; token ids against the vocabulary in the engine.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
+from kubeinfer.runtime.engine.guided_spec import GuidedSpec
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
 from kubeinfer.runtime.server.protocol_guided import GuidedFields
+from kubeinfer.runtime.server.protocol_tools import ToolCall, ToolFields
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
@@ -135,42 +139,66 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    """An assistant turn's calls (rendered by the chat template)."""
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    """A tool turn's answer to this call."""
 
     @property
     def num_chars(self) -> int:
         content = self.content
         if isinstance(content, list):
-            return sum(len(part.text) for part in content) + len(self.name or "")
-        return len(content or "") + len(self.name or "")
+            num = sum(len(part.text) for part in content)
+        else:
+            num = len(content or "")
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or [])
+        return num + calls + len(self.name or "") + len(self.tool_call_id or "")
 
     def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # templates read arguments as an object (`| tojson`), as transformers passes them
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_object(c)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
 
 
-class ChatCompletionRequest(_Sampling):
+def _json_object(call: ToolCall) -> dict[str, Any] | str:
+    try:
+        value = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments
+    return value if isinstance(value, dict) else call.function.arguments
+
+
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def _unsupported_extras(self) -> list[str]:
         errors = []
         if self.logprobs or self.top_logprobs:
             errors.append("logprobs is not supported")
-        if self.tools:
-            errors.append("tools are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            errors.append("tool_choice is not supported")
         if self.max_tokens and self.max_completion_tokens:
             errors.append("give max_tokens or max_completion_tokens, not both")
         return errors
@@ -178,3 +206,11 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """A structured output field's spec, or the grammar of tool_choice required/named."""
+        self.check_tools()
+        spec, tool_spec = super().guided_spec(), self.tool_guided_spec()
+        if spec is not None and tool_spec is not None:
+            raise ValueError(f"tool_choice {self.tool_mode} cannot be combined with {spec.param}")
+        return tool_spec or spec

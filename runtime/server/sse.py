@@ -17,6 +17,7 @@ from kubeinfer.runtime.engine.async_engine import EngineDeadError, RequestFailed
 from kubeinfer.runtime.engine.outputs import RequestOutput
 from kubeinfer.runtime.server.errors import error_body
 from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from kubeinfer.runtime.server.tool_calls import ToolCallStream, tool_finish_reason
 
 
 @dataclass(slots=True)
@@ -112,25 +113,39 @@ async def chat_chunks(
         ],
     }
     final = None
+    tools = ToolCallStream(body)  # holds back text that may be a tool call
     async for _, out in merged([job]):
         c = out.outputs[0]
-        if c.new_text or out.finished:
-            delta = {"content": c.new_text} if c.new_text else {}
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ],
-            }
+        text, finish_reason = tools.push(c.new_text), c.finish_reason
+        if out.finished:
+            rest, calls = tools.finish()
+            text += rest
+            if calls:  # each call whole, in one delta, before the finish chunk
+                deltas = [call.as_openai(i) for i, call in enumerate(calls)]
+                finish_reason = tool_finish_reason(finish_reason, calls, body)
+                if text:
+                    yield _chat_chunk(head, {"content": text}, None, None)
+                    text = ""
+                yield _chat_chunk(head, {"tool_calls": deltas}, None, None)
+        if text or out.finished:
+            delta = {"content": text} if text else {}
+            yield _chat_chunk(head, delta, finish_reason, c.stop_reason)
         final = out
     if body.include_usage and final is not None:
         yield {**head, "choices": [], "usage": usage([final])}
+
+
+def _chat_chunk(
+    head: dict, delta: dict, finish_reason: str | None, stop_reason: int | str | None
+) -> dict:
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+    return {**head, "choices": [choice]}
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:
