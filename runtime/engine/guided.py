@@ -74,6 +74,8 @@ class GrammarCompiler:
                 )
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.value)
             if spec.kind == "choice":
                 # JSON string literals are valid EBNF string literals (escapes included)
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices)

@@ -13,7 +13,7 @@ from typing import Literal
 
 from kubeinfer.runtime.errors import InvalidRequestError
 
-GuidedKind = Literal["json", "regex", "choice", "grammar"]
+GuidedKind = Literal["json", "regex", "choice", "grammar", "structural_tag"]
 
 MAX_SPEC_CHARS = 64 * 1024
 """The most characters a schema (as JSON text), regex or grammar may have."""
@@ -29,7 +29,8 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 @dataclass(frozen=True, slots=True)
 class GuidedSpec:
     kind: GuidedKind
-    """json: `value` is a JSON schema as text; regex; choice: `choices`; grammar: EBNF (GBNF)."""
+    """json: `value` is a JSON schema as text; regex; choice: `choices`; grammar: EBNF (GBNF);
+    structural_tag: xgrammar's structural tag as JSON text (free text with constrained parts)."""
     value: str = ""
     choices: tuple[str, ...] = ()
     param: str = "guided_json"

@@ -12,6 +12,7 @@ streamed or not, running or still queued.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from functools import partial
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from kubeinfer.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from kubeinfer.runtime.engine.guided_spec import GuidedSpec
 from kubeinfer.runtime.engine.outputs import RequestOutput
 from kubeinfer.runtime.server.disconnect import until_disconnect
 from kubeinfer.runtime.server.errors import APIError
@@ -28,7 +30,12 @@ from kubeinfer.runtime.server.limits import RequestLimits, check_chat, check_com
 from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from kubeinfer.runtime.server.sse import Job, chat_chunks, completion_chunks, sse, usage
 from kubeinfer.runtime.server.state import ServerState
-from kubeinfer.runtime.server.tool_calls import parse_output, template_inputs, tool_finish_reason
+from kubeinfer.runtime.server.tool_calls import (
+    auto_tool_spec,
+    parse_output,
+    template_inputs,
+    tool_finish_reason,
+)
 from kubeinfer.runtime.tokenizer import ChatTemplateError, Tokenizer
 
 router = APIRouter()
@@ -70,7 +77,7 @@ async def _completion(body: CompletionRequest, state: ServerState) -> Response:
         raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
     with state.admission.preparing(state.engine_queue(), len(prompts), limits):
         prompt_ids = await state.run_cpu(_encode_all, tokenizer, prompts)
-        await _compile_guided(engine, state, body)
+        await _compile_guided(engine, state, body.guided_spec())
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         jobs = _jobs(engine, state, limits, body, prompt_ids, max_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -118,10 +125,11 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
             )
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        await _compile_guided(engine, state, body)
+        guided = body.guided_spec() or auto_tool_spec(body, tokenizer.chat_template)
+        await _compile_guided(engine, state, guided)
         max_model_len = engine.engine.max_model_len
         max_tokens = body.requested_max_tokens or max(max_model_len - len(prompt_ids), 1)
-        (job,) = _jobs(engine, state, limits, body, [prompt_ids], max_tokens)
+        (job,) = _jobs(engine, state, limits, body, [prompt_ids], max_tokens, guided)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         return sse(chat_chunks(job, body, state.model_name, rid, created))
@@ -176,10 +184,11 @@ def _engine_for(state: ServerState, body: _Sampling) -> tuple[AsyncEngine, Reque
     return state.require_engine()
 
 
-async def _compile_guided(engine: AsyncEngine, state: ServerState, body: _Sampling) -> None:
+async def _compile_guided(
+    engine: AsyncEngine, state: ServerState, spec: GuidedSpec | None
+) -> None:
     """Compile a structured output's grammar on the CPU pool (a 400 naming the field if it
     does not compile); `make_request` then finds it in the compiler's cache."""
-    spec = body.guided_spec()
     if spec is not None:
         await state.run_cpu(engine.engine.grammars.compile, spec)
 
@@ -202,6 +211,7 @@ def _jobs(
     body: _Sampling,
     prompt_ids: list[list[int]],
     max_tokens: int,
+    guided: GuidedSpec | None = None,
 ) -> list[Job]:
     """Check every prompt against the model and the token queue, then hand them to the engine:
     all of a request's prompts are accepted, or none."""
@@ -219,6 +229,8 @@ def _jobs(
         state.engine_queue(), sum(len(ids) for ids in prompt_ids), limits
     )
     params = body.sampling_params(max_tokens)
+    if guided is not None:  # the body's own, or one the route adds (tool_choice auto)
+        params = dataclasses.replace(params, guided=guided)
     requests = [
         engine.engine.make_request(ids, params, uuid.uuid4().hex, body.cache_salt)
         for ids in prompt_ids

@@ -10,7 +10,10 @@ Out, by `tool_choice`: "required" output is the grammar's JSON array of `{"name"
 "parameters"}`; a named function's output is its arguments; "auto" output is parsed from the
 model's own format: Hermes `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5/3,
 and the fallback above) or a Llama 3 JSON object `{"name", "parameters"}` (optionally after
-`<|python_tag|>`), a call only when it names one of the tools; else it is text.
+`<|python_tag|>`), a call only when it names one of the tools; else it is text. Under "auto"
+the model writes free text, but once it opens a call in its template's format, xgrammar's
+structural tag for that format holds the call to a tool's name and arguments schema
+(`auto_tool_spec`), so a call it makes is a valid one.
 
 Streaming (`ToolCallStream`): text that may still turn into a call is held back; each call
 goes out whole (id, name, arguments) in one `delta.tool_calls` entry once it is known.
@@ -23,6 +26,9 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kubeinfer.runtime.engine.guided_spec import GuidedSpec
+from kubeinfer.runtime.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from kubeinfer.runtime.server.protocol import ChatCompletionRequest
@@ -100,6 +106,34 @@ def _hermes_fallback(
 
 def _hermes_call(function: dict[str, Any]) -> dict[str, Any]:
     return {"name": function["name"], "arguments": function["arguments"]}
+
+
+def tool_call_format(chat_template: str | None) -> str:
+    """xgrammar's name for the template's call format: Llama 3 JSON, or Hermes (Qwen's, and
+    what a template without tools gets)."""
+    if chat_template and "tools" in chat_template and _OPEN not in chat_template:
+        if _PYTHON_TAG in chat_template or "ipython" in chat_template:
+            return "llama"
+    return "qwen_3"
+
+
+def auto_tool_spec(body: ChatCompletionRequest, chat_template: str | None) -> GuidedSpec | None:
+    """tool_choice auto: free text, with any call held to the tools' schemas."""
+    if body.tool_mode != "auto":
+        return None
+    import xgrammar
+
+    try:
+        tag = xgrammar.get_builtin_structural_tag(
+            tool_call_format(chat_template),
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            tool_choice="auto",
+            reasoning=False,
+            parallel_tool_calls=body.parallel_tool_calls,
+        )
+    except Exception as e:  # noqa: BLE001 - a tool definition xgrammar cannot take
+        raise InvalidRequestError(f"tools: {e}".splitlines()[0][:300], "tools") from None
+    return GuidedSpec("structural_tag", tag.model_dump_json(), param="tools")
 
 
 # out

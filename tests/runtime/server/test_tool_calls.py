@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from kubeinfer.runtime.engine.guided import GrammarCompiler
 from kubeinfer.runtime.server.protocol import ChatCompletionRequest
-from kubeinfer.runtime.server.tool_calls import ToolCallStream, parse_output, template_inputs
+from kubeinfer.runtime.server.tool_calls import (
+    ToolCallStream,
+    auto_tool_spec,
+    parse_output,
+    template_inputs,
+    tool_call_format,
+)
 from kubeinfer.runtime.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -194,3 +201,24 @@ def test_required_grammar_moves_each_tools_defs_to_the_root() -> None:
         ChatCompletionRequest.model_validate(
             {"messages": CONVERSATION, "tools": clash, "tool_choice": "required"}
         )
+
+
+def test_template_formats() -> None:
+    assert tool_call_format((TEMPLATES / "hermes_tools.jinja").read_text()) == "qwen_3"
+    assert tool_call_format((TEMPLATES / "llama3_json_tools.jinja").read_text()) == "llama"
+    assert tool_call_format(None) == "qwen_3"  # the Hermes fallback
+
+
+def test_auto_grammar_leaves_text_free_and_holds_calls_to_the_schemas(smollm2_dir: Path) -> None:
+    import xgrammar as xgr
+
+    compiler = GrammarCompiler(Tokenizer.from_dir(smollm2_dir), 49152, [2])
+    spec = auto_tool_spec(body(), None)
+    assert spec is not None and auto_tool_spec(body(tool_choice="none"), None) is None
+    grammar = compiler.compile(spec)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+    assert xgr.GrammarMatcher(grammar).accept_string("Any text at all, even { and <tags>.")
+    assert xgr.GrammarMatcher(grammar).accept_string(f"Let me look.{call}\n</tool_call>")
+    bad_unit = call.replace('"c"', '"kelvin"')
+    assert not xgr.GrammarMatcher(grammar).accept_string(bad_unit)
+    assert not xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "nope"')
