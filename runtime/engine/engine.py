@@ -12,11 +12,13 @@ is not a request's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +28,12 @@ from kubeinfer.runtime.engine.isolation import StepFailures, failure_message
 from kubeinfer.runtime.engine.kv_cache import KVCacheManager
 from kubeinfer.runtime.engine.model_runner import ModelRunner
 from kubeinfer.runtime.engine.output_text import OutputText
-from kubeinfer.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kubeinfer.runtime.engine.outputs import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.sampler import SamplingRow
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
@@ -36,6 +43,9 @@ from kubeinfer.runtime.engine.validation import check_fits, check_params, prompt
 from kubeinfer.runtime.errors import InvalidRequestError
 from kubeinfer.runtime.loader import ProgressCallback
 from kubeinfer.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +126,25 @@ class Engine:
         Requests share cached prefix blocks only when their `cache_salt`s are equal (e.g. one
         salt per tenant, so that no tenant can probe another's prompts by timing). A guided
         request's grammar is compiled here (cached: the server compiles it on a CPU thread
-        first, so that the event loop only finds it in the cache)."""
+        first, so that the event loop only finds it in the cache). One request: for
+        `params.n > 1`, `make_requests`."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError("n > 1 makes n requests: use make_requests", "n")
+        return self.make_requests(prompt, params, request_id, cache_salt)[0]
+
+    def make_requests(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[Request]:
+        """The `params.n` sequences of one prompt, tokenized and validated once (safe from
+        another thread). With n > 1, sequence i has id f"{i}_{request_id}" (vLLM's), the seed
+        `seed + i` when there is one, and shares the prompt's KV blocks with sequence 0."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         vocab = self.runner.vocab_size
         text, ids = prompt_ids(prompt, self.tokenizer, vocab)
         check_params(params, vocab)
@@ -128,7 +152,31 @@ class Engine:
             len(ids), params, self.max_model_len, self.kv_cache.num_blocks, self.kv_cache.block_size
         )
         grammar = self.grammars.compile(params.guided) if params.guided else None
-        return Request(
+        if params.n == 1:
+            return [self._request(request_id, ids, params, text, cache_salt, grammar)]
+        requests: list[Request] = []
+        for i in range(params.n):
+            # torch takes seeds modulo 2**64: seed + i stays in range, and i == 0 keeps seed
+            seed = None if params.seed is None else (params.seed + i) % 2**64 if i else params.seed
+            child = dataclasses.replace(params, n=1, seed=seed)
+            request = self._request(f"{i}_{request_id}", ids, child, text, cache_salt, grammar)
+            request.index = i
+            request.shares_prompt_with = requests[0] if requests else None
+            requests.append(request)
+        return requests
+
+    def _request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        text: str | None,
+        cache_salt: str | None,
+        grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
             request_id,
             ids,
             params,
@@ -137,6 +185,9 @@ class Engine:
             cache_salt=cache_salt,
             grammar=grammar,
         )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        return request
 
     def add(self, request: Request) -> str:
         """Queue a request made by `make_request`."""
@@ -179,7 +230,7 @@ class Engine:
         if sched.is_empty:
             return outputs
         try:
-            tokens = self.runner.execute(sched, self.kv_cache.block_ids, rows)
+            result = self.runner.execute(sched, self.kv_cache.block_ids, rows)
         except Exception as e:  # noqa: BLE001 - isolated below; re-raised if not a request's
             outputs += [self._fail(r, e) for r in self.failures.on_failure(sched, e)]
             self._update_gauges()
@@ -188,14 +239,19 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_chunked_prefill_steps += bool(sched.num_chunked_prefills)
         now = time.monotonic()
-        for s, token in zip(sched.scheduled, tokens, strict=True):
+        for i, prompt_logprobs in result.prompt_logprobs.items():
+            sched.scheduled[i].request.prompt_logprobs += prompt_logprobs
+        sampled = zip(sched.scheduled, result.token_ids, result.logprobs, strict=True)
+        for s, token, logprob in sampled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             if token is None:
                 continue
             self.scheduler.clear_suspect(request)
+            if logprob is not None:
+                request.logprobs.append(logprob)
             try:
-                outputs.append(self._emit(request, token, now))
+                outputs.append(self._emit(request, token, now, logprob))
             except Exception as e:  # noqa: BLE001 - detokenizing etc.: this request's alone
                 outputs.append(self._fail(request, e))
         self._update_gauges()
@@ -222,7 +278,9 @@ class Engine:
         outputs = [self._fail(request, error) for request, error in failed]
         return [row_of[id(s.request)] for s in sched.scheduled], outputs
 
-    def _emit(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _emit(
+        self, request: Request, token: int, now: float, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         """Record a sampled token, apply the stop rules, and make its output."""
         if request.num_output_tokens == 0:
             self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -231,10 +289,11 @@ class Engine:
         new_text, stop = self._texts[request.request_id].push(token, finished=reason is not None)
         if stop is not None:
             request.stop_reason, reason = stop, reason or "stop"
+        new_logprobs = [logprob] if logprob is not None else []
         if reason is not None:
             self.scheduler.finish(request, reason)
-            return self._finish(request, [token], new_text)
-        return self._output(request, [token], new_text, finished=False)
+            return self._finish(request, [token], new_text, new_logprobs=new_logprobs)
+        return self._output(request, [token], new_text, False, new_logprobs=new_logprobs)
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         message = failure_message(error)
@@ -277,16 +336,20 @@ class Engine:
         new_text: str,
         finished: bool,
         error: str | None = None,
+        new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         text = self._texts[request.request_id].text
+        params = request.sampling_params
         completion = CompletionOutput(
-            index=0,
+            index=request.index,
             text=text,
             token_ids=list(request.output_token_ids),
             finish_reason=request.finish_reason if finished else None,  # type: ignore[arg-type]
             stop_reason=request.stop_reason,
             new_text=new_text,
             new_token_ids=new_ids,
+            logprobs=list(request.logprobs) if finished and params.logprobs is not None else None,
+            new_logprobs=new_logprobs or [],
         )
         return RequestOutput(
             request.request_id,
@@ -296,10 +359,16 @@ class Engine:
             finished,
             metrics=_metrics(request) if finished else None,
             error=error,
+            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs is not None else None,
         )
 
     def _finish(
-        self, request: Request, new_ids: list[int], new_text: str = "", error: str | None = None
+        self,
+        request: Request,
+        new_ids: list[int],
+        new_text: str = "",
+        error: str | None = None,
+        new_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         request.times.finished = time.monotonic()
         reason = request.finish_reason or "abort"
@@ -307,7 +376,7 @@ class Engine:
             self.stats.num_requests_finished.get(reason, 0) + 1
         )
         self.runner.release(request.request_id)
-        out = self._output(request, new_ids, new_text, finished=True, error=error)
+        out = self._output(request, new_ids, new_text, True, error, new_logprobs)
         del self._requests[request.request_id]
         del self._texts[request.request_id]
         return out

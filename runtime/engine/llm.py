@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results in input order."""
+        """Run every prompt to completion; results in input order, each with
+        `SamplingParams.n` outputs."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -54,12 +56,15 @@ class LLM:
                     f"{len(params)} sampling params for {len(prompts)} prompts: "
                     "give one, or one per prompt"
                 )
-        ids = []
+        groups: list[list[str]] = []  # per prompt: its sequences' request ids
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
+                group: list[str] = []
+                groups.append(group)
+                for request in self.engine.make_requests(prompt, p):
+                    group.append(self.engine.add(request))
         except ValueError:
-            for request_id in ids:
+            for request_id in (i for group in groups for i in group):
                 self.engine.abort(request_id)
             raise
         done: dict[str, RequestOutput] = {}
@@ -67,4 +72,16 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
-        return [done[i] for i in ids]
+        return [_merged([done[i] for i in group]) for group in groups]
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n sequences as one RequestOutput (`outputs` in index order)."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    return dataclasses.replace(
+        first,
+        request_id=first.request_id.split("_", 1)[1],
+        outputs=[o.outputs[0] for o in outs],
+    )

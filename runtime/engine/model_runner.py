@@ -24,8 +24,11 @@ from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.guided import GrammarMatchers
+from kubeinfer.runtime.engine.outputs import TokenLogprob
+from kubeinfer.runtime.engine.penalties import TokenCounts
 from kubeinfer.runtime.engine.request import Request
-from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow
+from kubeinfer.runtime.engine.runner_output import RunnerOutput
+from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow, top_logprobs
 from kubeinfer.runtime.engine.sched_output import ScheduledRequest, SchedulerOutput
 from kubeinfer.runtime.engine.staging import HostStaging
 from kubeinfer.runtime.engine.validation import check_token_ids
@@ -35,6 +38,10 @@ from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
 from kubeinfer.runtime.models.ops import TORCH_OPS, cpu_native_ops, select_kernels
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions per logits slice when computing prompt logprobs: (256, vocab) float32 is
+50 MB for a 49k vocabulary, where a whole 2048-token chunk at once would be 400 MB."""
 
 
 class ModelRunner:
@@ -93,6 +100,7 @@ class ModelRunner:
             config.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
         self.sampler = Sampler(self.device, config.seed)
+        self.token_counts = TokenCounts(self.num_logits, self.device)  # penalties' state
         self.staging = HostStaging(self.device)  # pinned step metadata on CUDA
         self._generators: dict[str, torch.Generator] = {}
         self.grammar_matchers = GrammarMatchers(self.num_logits)  # guided requests' state
@@ -128,20 +136,25 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request (its generator, its block-table row, its matcher)."""
+        """Forget a finished request (its generator, its rows, its grammar matcher)."""
         self._generators.pop(request_id, None)
-        self.grammar_matchers.release(request_id)
-        self.block_tables.release(request_id)
+        self._release_rows(request_id)
 
     def roll_back(self, step_ids: list[str], preempted_ids: list[str]) -> None:
-        """Forget what a failed step may have half-done: the block-table rows of the preempted
-        requests (their blocks are gone), and the generators of the step's requests (the step
-        may have drawn from them; `_sampling_row` rebuilds each from its seed)."""
+        """Forget what a failed step may have half-done: the rows of the preempted requests
+        (their blocks are gone), and the generators of the step's requests (the step may have
+        drawn from them; `_sampling_row` rebuilds each from its seed)."""
         for request_id in preempted_ids:
-            self.block_tables.release(request_id)
-            self.grammar_matchers.release(request_id)
+            self._release_rows(request_id)
         for request_id in step_ids:
             self._generators.pop(request_id, None)
+
+    def _release_rows(self, request_id: str) -> None:
+        """A request's per-request device state, rebuilt from its tokens if it runs again:
+        block-table row, token-count row, grammar matcher (re-synced by `prepare`)."""
+        self.block_tables.release(request_id)
+        self.token_counts.release(request_id)
+        self.grammar_matchers.release(request_id)
 
     def prepare(
         self, out: SchedulerOutput
@@ -156,8 +169,7 @@ class ModelRunner:
         a guided request's matcher is brought in step with its output (`GrammarMatchers.sync`).
         """
         for request_id in out.preempted_ids:  # their blocks are gone; rows are re-made later
-            self.block_tables.release(request_id)
-            self.grammar_matchers.release(request_id)  # rebuilt from the output by sync()
+            self._release_rows(request_id)
         rows: list[SamplingRow | None] = []
         failures: dict[int, Exception] = {}
         for i, s in enumerate(out.scheduled):
@@ -179,10 +191,9 @@ class ModelRunner:
         out: SchedulerOutput,
         block_ids: Callable[[str], list[int]],
         rows: list[SamplingRow | None],
-    ) -> list[int | None]:
-        """Run one step; one sampled token per scheduled request (None: prefill continues).
-
-        `rows` come from `prepare` for the same step."""
+    ) -> RunnerOutput:
+        """Run one step: a sampled token per scheduled request (None: prefill continues), with
+        the logprobs the requests ask for. `rows` come from `prepare` for the same step."""
         batch = build_step_batch(out, block_ids, self.block_size, self.block_tables)
         self.staging.begin_step()
         put = self.staging.put
@@ -196,23 +207,52 @@ class ModelRunner:
             put=put,
         )
         hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
-        results: list[int | None] = [None] * len(out.scheduled)
+        num_scheduled = len(out.scheduled)
+        result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled)
+        for i, s in enumerate(out.scheduled):
+            if s.request.needs_prompt_logprobs:
+                start = int(batch.query_start_loc[i])
+                result.prompt_logprobs[i] = self._prompt_logprobs(s, hidden, start)
         sampling = batch.sample_rows
         if not sampling:
-            return results
+            return result
         logits = self.model.compute_logits(hidden[put(np.array(batch.logits_indices))])
         if self.grammar_matchers.num_matchers:  # guided decoding: forbidden tokens to -inf
             self.grammar_matchers.mask_logits(logits, [out.scheduled[i].request for i in sampling])
         sample_rows = [row for i in sampling if (row := rows[i]) is not None]
         if len(sample_rows) != len(sampling):
             raise RuntimeError("prepare() and execute() disagree on the rows that sample")
-        for i, token in zip(sampling, self.sampler(logits, sample_rows), strict=True):
-            results[i] = token
-        return results
+        sampled = self.sampler(logits, sample_rows, self.token_counts)
+        for j, i in enumerate(sampling):
+            result.token_ids[i] = sampled.token_ids[j]
+            result.logprobs[i] = sampled.logprobs[j]
+        return result
+
+    def _prompt_logprobs(
+        self, s: ScheduledRequest, hidden: torch.Tensor, row_start: int
+    ) -> list[TokenLogprob]:
+        """Logprobs of the prompt tokens that this chunk's positions predict (position p
+        predicts token p + 1), past those the request recorded (a recompute adds none), in
+        slices of logits rows. `row_start`: the chunk's first row in `hidden`."""
+        r = s.request
+        start = r.num_computed_tokens
+        first = max(start, len(r.prompt_logprobs) - 1)  # positions before are recorded
+        end = min(start + s.num_new_tokens, len(r.prompt_token_ids) - 1)
+        num_top = r.sampling_params.prompt_logprobs or 0
+        out: list[TokenLogprob] = []
+        for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
+            rows = hidden[row_start + lo - start : row_start + hi - start]
+            logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+            targets = torch.tensor(r.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
+            out += top_logprobs(logprobs, targets, [num_top] * (hi - lo))
+        return out
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        if params.logit_bias:
+            check_token_ids("logit_bias", params.logit_bias, self.vocab_size)
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = self._generators.get(request.request_id)
@@ -227,7 +267,8 @@ class ModelRunner:
             if not params.ignore_eos:
                 # an EOS id the model cannot produce needs no ban
                 banned += [t for t in request.eos_token_ids if t < self.num_logits]
-        return SamplingRow(params, generator, banned)
+        penalty_row = self.token_counts.row(request) if params.has_penalties else -1
+        return SamplingRow(params, generator, banned, penalty_row)
 
 
 def _check_new_prompt_ids(s: ScheduledRequest, vocab_size: int) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kubeinfer.runtime.engine.outputs import TokenLogprob
 from kubeinfer.runtime.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,23 @@ class Request:
     times: RequestTimes = field(default_factory=RequestTimes)
     grammar: CompiledGrammar | None = None
     """Its output's grammar when `sampling_params.guided` is set (compiled by guided.py)."""
+    index: int = 0
+    """Which of its prompt's `n` sequences this is (the choice index)."""
+    shares_prompt_with: Request | None = None
+    """n > 1: the prompt's first sequence, whose prompt KV blocks this one shares."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per output token, with `sampling_params.logprobs`."""
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """With `sampling_params.prompt_logprobs`: one per prompt token computed so far (None for
+    the first)."""
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed yet: every prompt token must be computed
+        by this request (no prefix-cache hits, no shared blocks)."""
+        return self.sampling_params.prompt_logprobs is not None and len(
+            self.prompt_logprobs
+        ) < len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -110,7 +110,10 @@ class Scheduler:
             request = self._waiting_head()
             if request is None:
                 break
-            computed, num_computed = self.kv_cache.get_computed_blocks(request)
+            shared = self._computed_blocks(request, out)
+            if shared is None:
+                break  # its first sequence is still computing the prompt it will share
+            computed, num_computed = shared
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache.allocate(request, num_new, computed) is None:
                 break
@@ -193,7 +196,7 @@ class Scheduler:
         request = self.isolated
         if request is None:
             request = self.suspects[0]
-            computed, num_computed = self.kv_cache.get_computed_blocks(request)
+            computed, num_computed = self._computed_blocks(request, out) or ([], 0)
             num_new = min(request.num_tokens - num_computed, budget)
             if not self._make_room(out, request, num_new, computed):
                 return out
@@ -218,6 +221,34 @@ class Scheduler:
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
         return True
+
+    def _computed_blocks(
+        self, request: Request, out: SchedulerOutput
+    ) -> tuple[list[int], int] | None:
+        """Blocks a request admitted now starts with, and the tokens they hold: prefix-cache
+        hits or, for a sequence of an n > 1 request, the full prompt blocks of the prompt's
+        first sequence (shared by reference count, never copied; the partial last block and
+        the last prompt token are computed by each sequence). None: wait, the first sequence
+        runs and has not reached those blocks yet. Blocks the first sequence computes in this
+        very step may be shared: every layer stores the step's KV before it attends (as with a
+        prefix hit on a block computed in the same step). A request that needs prompt logprobs
+        computes its whole prompt itself."""
+        if request.needs_prompt_logprobs:
+            return [], 0
+        leader = request.shares_prompt_with
+        if leader is None or leader.status is not RequestStatus.RUNNING:
+            # no sharing (the first sequence finished, or waits): as any other request
+            return self.kv_cache.get_computed_blocks(request)
+        bs = self.kv_cache.block_size
+        num_shared = min(len(request.prompt_token_ids), request.num_tokens - 1) // bs
+        in_step = (s.num_new_tokens for s in out.scheduled if s.request is leader)
+        if leader.num_computed_tokens + next(in_step, 0) < num_shared * bs:
+            return None
+        hits = self.kv_cache.get_computed_blocks(request)
+        if len(hits[0]) >= num_shared:
+            return hits
+        shared = self.kv_cache.block_ids(leader.request_id)[:num_shared]
+        return list(shared), num_shared * bs
 
     def _admit(self, request: Request, num_computed: int) -> None:
         if request.status is RequestStatus.WAITING:  # first time it runs

@@ -50,6 +50,8 @@ def prompt_ids(
 def check_params(params: SamplingParams, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: the fields that depend on the model."""
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    if params.logit_bias:
+        check_token_ids("logit_bias", params.logit_bias, vocab_size)
 
 
 def check_fits(

@@ -26,6 +26,7 @@ from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.engine import Engine
 from kubeinfer.runtime.engine.outputs import RequestOutput
 from kubeinfer.runtime.engine.request import Request
+from kubeinfer.runtime.engine.runner_output import RunnerOutput
 from kubeinfer.runtime.errors import InvalidRequestError
 
 VOCAB = 384  # the tiny models' vocabulary
@@ -42,7 +43,7 @@ class Faults:
         self.raised: Counter[str] = Counter()
         engine.runner.execute = self  # type: ignore[method-assign]
 
-    def __call__(self, out: Any, block_ids: Any, rows: Any) -> list[int | None]:
+    def __call__(self, out: Any, block_ids: Any, rows: Any) -> RunnerOutput:
         ids = [s.request.request_id for s in out.scheduled]
         self.raised["preempting steps"] += bool(out.preempted_ids)
         if any(i.startswith("fault-") for i in ids):
@@ -91,6 +92,8 @@ def assert_idle_and_whole(engine: Engine) -> None:
     assert not engine.has_unfinished and engine.scheduler.num_queued == 0
     assert engine.scheduler.isolated is None and not engine.scheduler.suspects
     assert not engine._requests  # the engine's own bookkeeping holds no leftover
+    assert engine.runner.token_counts.num_rows == 0  # nor the penalties' token counts
+    assert not engine.runner.block_tables._rows
 
 
 # validation at the boundary
@@ -295,6 +298,12 @@ def specs(draw: st.DrawFn) -> Spec:
         seed=None if greedy else draw(st.integers(0, 2**32)),
         stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=3)),
         ignore_eos=draw(st.booleans()),
+        # penalties, biases and logprobs (#18): the same tokens alone and in any batch too
+        presence_penalty=draw(st.sampled_from([0.0, 0.0, 1.5])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.0, 1.3])),
+        logit_bias=draw(st.none() | st.dictionaries(st.integers(0, VOCAB - 1),
+                                                    st.sampled_from([-5.0, 3.0]), max_size=3)),
+        logprobs=draw(st.none() | st.integers(0, 3)),
     )
     suffix = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40))
     prompt = [*draw(st.sampled_from(PREFIXES)), *suffix]
@@ -358,6 +367,9 @@ def check_mix(engine: Engine, mix: list[Spec], seen: Counter[str]) -> None:
         elif spec.kind in ("good", "flaky"):
             ref = alone(engine, list(spec.prompt), spec.params).outputs[0]
             assert (out.outputs[0].token_ids, reason) == (ref.token_ids, ref.finish_reason), rid
+            if spec.params.logprobs is not None:
+                logprobs = out.outputs[0].logprobs or []
+                assert [lp.token_id for lp in logprobs] == ref.token_ids, rid
         else:
             seen[spec.kind] += 1
             assert reason == "error" and out.error is not None, rid
