@@ -27,21 +27,34 @@ _INITIAL_ROWS = 8
 
 def apply_penalties(
     logits: torch.Tensor,
+    rows: torch.Tensor,
     output_counts: torch.Tensor,
     prompt_mask: torch.Tensor | None,
     presence: torch.Tensor,
     frequency: torch.Tensor,
     repetition: torch.Tensor | None,
-) -> torch.Tensor:
-    """The penalized logits (a new tensor). logits (P, V) float32; output_counts (P, V) int;
-    prompt_mask (P, V) bool or None (no prompt tokens penalized); presence, frequency and
-    repetition (P,) float32, repetition None when every row's is 1."""
-    output_mask = output_counts > 0
+) -> None:
+    """Penalize `logits` (S, V) float32 in place, at rows `rows` (P,). output_counts (P, V)
+    int; prompt_mask (P, V) bool or None (no prompt tokens penalized); presence, frequency and
+    repetition (P,) float32, repetition None when every row's is 1.
+
+    Only the tokens a row has seen change, so the work past finding them (one compare and one
+    `nonzero` over (P, V)) is on those few (row, token) pairs: a dense formula would take about
+    ten passes over (P, V), several of them broadcasting `where`s that cost 10x a plain pass on
+    CPU (measured: 35-65 ms against 6 ms at P = 64, V = 49152, one thread)."""
     if repetition is not None:
-        seen = output_mask if prompt_mask is None else output_mask | prompt_mask
-        penalty = torch.where(seen, repetition[:, None], 1.0)
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * output_mask
+        seen = output_counts > 0
+        if prompt_mask is not None:
+            seen |= prompt_mask
+        seen_rows, seen_ids = seen.nonzero(as_tuple=True)
+        at = (rows[seen_rows], seen_ids)
+        values = logits[at]
+        r = repetition[seen_rows]
+        logits[at] = torch.where(values > 0, values / r, values * r)
+    out_rows, out_ids = output_counts.nonzero(as_tuple=True)
+    counts = output_counts[out_rows, out_ids].to(logits.dtype)
+    at = (rows[out_rows], out_ids)
+    logits[at] -= frequency[out_rows] * counts + presence[out_rows]
 
 
 @dataclass(slots=True)

@@ -156,19 +156,15 @@ class Sampler:
         if any(p.repetition_penalty != 1.0 for p in params):
             repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
             prompt_mask = token_counts.prompt_mask[count_rows]
-        every_row = len(batch_rows) == len(rows)
-        penalized = apply_penalties(
-            logits if every_row else logits[batch_rows],
+        apply_penalties(
+            logits,
+            torch.tensor(batch_rows, device=dev),
             token_counts.output_counts[count_rows],
             prompt_mask,
             torch.tensor([p.presence_penalty for p in params], device=dev),
             torch.tensor([p.frequency_penalty for p in params], device=dev),
             repetition,
         )
-        if every_row:
-            logits.copy_(penalized)
-        else:
-            logits[batch_rows] = penalized
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device

@@ -62,8 +62,10 @@ def test_penalties_match_the_per_row_reference() -> None:
     counts.flush()
     r_t = torch.tensor(rows)
     reps = [r.sampling_params.repetition_penalty for r in requests]
-    got = apply_penalties(
-        logits,
+    got = logits.clone()
+    apply_penalties(
+        got,
+        torch.arange(len(requests)),
         counts.output_counts[r_t],
         counts.prompt_mask[r_t],
         torch.tensor([r.sampling_params.presence_penalty for r in requests]),
