@@ -135,6 +135,7 @@ def serve(
     max_stop_strings: int | None = typer.Option(None, help="Stop strings per request."),
     max_stop_string_chars: int | None = typer.Option(None, help="Longest stop string."),
     max_stop_token_ids: int | None = typer.Option(None, help="stop_token_ids per request."),
+    max_logit_bias: int | None = typer.Option(None, help="logit_bias entries per request."),
     max_chat_messages: int | None = typer.Option(None, help="Messages per chat request."),
     max_queued_requests: int | None = typer.Option(
         None, help="Waiting requests before 429 (default: 4 x max-num-seqs)."

@@ -42,6 +42,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.eos_token_ids = frozenset(eos_token_ids)
         self._template: jinja2.Template | None = None
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -88,6 +89,15 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included (how logprobs name tokens, as
+        vLLM's do); a byte piece of a longer character comes out as U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def apply_chat_template(
         self,

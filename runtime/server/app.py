@@ -22,18 +22,23 @@ from kubeinfer.runtime.server.health_routes import router as health_router
 from kubeinfer.runtime.server.openai_routes import router as openai_router
 from kubeinfer.runtime.server.settings import ServerSettings
 from kubeinfer.runtime.server.state import ServerState
+from kubeinfer.runtime.server.tokenize_routes import router as tokenize_router
+
+GUARDED = ("/v1", "/tokenize", "/detokenize")
+"""Paths behind the guard: the API, and the tokenizer routes (they cost CPU as requests do)."""
 
 
 class Guard:
-    """Pure ASGI middleware in front of /v1: API key (401), shutdown (503), body size (413).
+    """Pure ASGI middleware in front of /v1 and the tokenizer routes: API key (401), shutdown
+        (503), body size (413).
 
-    A POST that arrives while the waiting queue is already full gets its 429 here, before its body
-is read (the route makes the exact check, with the request's own size). The body is read here,
-whole and bounded, before any route runs: a body over the limit gets
-    413 whether it declared a Content-Length or came chunked, and the route sees it replayed.
-    Messages after the body (the client's disconnect) pass straight through, so routes and
-    streams still see a client leave. Every /v1 request is counted in flight until its last
-    byte is sent, which is what the SIGTERM drain waits for.
+        A POST that arrives while the waiting queue is already full gets its 429 here, before its body
+    is read (the route makes the exact check, with the request's own size). The body is read here,
+    whole and bounded, before any route runs: a body over the limit gets
+        413 whether it declared a Content-Length or came chunked, and the route sees it replayed.
+        Messages after the body (the client's disconnect) pass straight through, so routes and
+        streams still see a client leave. Every /v1 request is counted in flight until its last
+        byte is sent, which is what the SIGTERM drain waits for.
     """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -42,7 +47,7 @@ whole and bounded, before any route runs: a body over the limit gets
         self.api_key = key.get_secret_value().encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", ()))
@@ -137,6 +142,7 @@ def create_app(settings: ServerSettings, state: ServerState | None = None) -> Fa
     app.state.server = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
     app.include_router(health_router)
     app.add_middleware(Guard, state=state)
     return app

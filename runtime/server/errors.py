@@ -8,6 +8,7 @@ anything unexpected -> 500 with a generic message (the traceback goes to the log
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,10 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+_FIELD_PREFIX = re.compile(r"([a-z_]+): ")
+"""A cross-field rule's message that starts with a field's name ("best_of: ...") names it."""
 
 
 class APIError(Exception):
@@ -80,6 +85,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"{where}: unknown field")
         elif where == "body":  # a rule across fields: its message says which
             parts.append(msg)
+            if param == "body" and (named := _FIELD_PREFIX.match(msg)):
+                param = named.group(1)
         else:
             parts.append(f"{where}: {msg}")
     return "; ".join(parts) or "invalid request", param

@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kubeinfer.runtime.server.errors import APIError
-from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from kubeinfer.runtime.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    _Sampling,
+)
 from kubeinfer.runtime.server.settings import ServerSettings
 
 #: Characters per token of context a prompt may have before tokenizing. Text averages about 4;
@@ -30,6 +35,7 @@ class RequestLimits:
     max_stop_strings: int
     max_stop_string_chars: int
     max_stop_token_ids: int
+    max_logit_bias: int
     max_chat_messages: int
     max_queued_requests: int
     max_queued_tokens: int
@@ -44,6 +50,7 @@ class RequestLimits:
             max_stop_strings=s.max_stop_strings,
             max_stop_string_chars=s.max_stop_string_chars,
             max_stop_token_ids=s.max_stop_token_ids,
+            max_logit_bias=s.max_logit_bias,
             max_chat_messages=s.max_chat_messages,
             max_queued_requests=s.max_queued_requests or 4 * s.max_num_seqs,
             max_queued_tokens=s.max_queued_tokens or 16 * s.batched_tokens(),
@@ -69,6 +76,22 @@ def check_sampling(body: _Sampling, limits: RequestLimits) -> None:
     ids = body.stop_token_ids or []
     if len(ids) > limits.max_stop_token_ids:
         raise _too_many("stop_token_ids", "token ids", limits.max_stop_token_ids, len(ids))
+    bias = body.logit_bias or {}
+    if len(bias) > limits.max_logit_bias:
+        raise _too_many("logit_bias", "entries", limits.max_logit_bias, len(bias))
+
+
+def check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
+    """prompts x n: each is a sequence in the engine."""
+    cap = limits.max_prompts_per_request
+    if num_prompts * n > cap:
+        field = "n" if n > 1 else "prompt"
+        raise APIError(
+            400,
+            f"{field}: at most {cap} sequences (prompts x n) are allowed per request, got "
+            f"{num_prompts} x {n}",
+            field,
+        )
 
 
 def check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
@@ -76,21 +99,31 @@ def check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
     prompts = body.prompts()
     if len(prompts) > limits.max_prompts_per_request:
         raise _too_many("prompt", "prompts", limits.max_prompts_per_request, len(prompts))
+    check_sequences(len(prompts), body.n, limits)
     for prompt in prompts:
-        if isinstance(prompt, str) and len(prompt) > limits.max_input_chars:
-            raise APIError(
-                400,
-                f"prompt: at most {limits.max_input_chars} characters per prompt are allowed "
-                f"before tokenizing, got {len(prompt)}",
-                "prompt",
-            )
+        check_prompt_chars(prompt, limits)
+
+
+def check_prompt_chars(prompt: str | list[int], limits: RequestLimits) -> None:
+    if isinstance(prompt, str) and len(prompt) > limits.max_input_chars:
+        raise APIError(
+            400,
+            f"prompt: at most {limits.max_input_chars} characters per prompt are allowed "
+            f"before tokenizing, got {len(prompt)}",
+            "prompt",
+        )
 
 
 def check_chat(body: ChatCompletionRequest, limits: RequestLimits) -> None:
     check_sampling(body, limits)
-    if len(body.messages) > limits.max_chat_messages:
-        raise _too_many("messages", "messages", limits.max_chat_messages, len(body.messages))
-    num_chars = sum(m.num_chars for m in body.messages)
+    check_sequences(1, body.n, limits)
+    check_messages(body.messages, limits)
+
+
+def check_messages(messages: list[ChatMessage], limits: RequestLimits) -> None:
+    if len(messages) > limits.max_chat_messages:
+        raise _too_many("messages", "messages", limits.max_chat_messages, len(messages))
+    num_chars = sum(m.num_chars for m in messages)
     if num_chars > limits.max_input_chars:
         raise APIError(
             400,

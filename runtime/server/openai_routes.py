@@ -23,18 +23,23 @@ from fastapi.responses import JSONResponse, Response
 from kubeinfer.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kubeinfer.runtime.engine.guided_spec import GuidedSpec
 from kubeinfer.runtime.engine.outputs import RequestOutput
+from kubeinfer.runtime.engine.request import Request as EngineRequest
+from kubeinfer.runtime.server.choices import ChatChoice, CompletionChoice, Job, usage
 from kubeinfer.runtime.server.disconnect import until_disconnect
 from kubeinfer.runtime.server.errors import APIError
 from kubeinfer.runtime.server.health_routes import get_state
 from kubeinfer.runtime.server.limits import RequestLimits, check_chat, check_completion
-from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from kubeinfer.runtime.server.sse import Job, chat_chunks, completion_chunks, sse, usage
+from kubeinfer.runtime.server.logprobs import TokenTexts
+from kubeinfer.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+)
+from kubeinfer.runtime.server.sse import chat_chunks, completion_chunks, sse
 from kubeinfer.runtime.server.state import ServerState
 from kubeinfer.runtime.server.tool_calls import (
     auto_tool_spec,
-    parse_output,
     template_inputs,
-    tool_finish_reason,
 )
 from kubeinfer.runtime.tokenizer import ChatTemplateError, Tokenizer
 
@@ -75,33 +80,29 @@ async def _completion(body: CompletionRequest, state: ServerState) -> Response:
     tokenizer = engine.engine.tokenizer
     if tokenizer is None and any(isinstance(p, str) for p in prompts):
         raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-    with state.admission.preparing(state.engine_queue(), len(prompts), limits):
+    with state.admission.preparing(state.engine_queue(), len(prompts) * body.n, limits):
         prompt_ids = await state.run_cpu(_encode_all, tokenizer, prompts)
+        # max_tokens 0 (echo only): generate one token and drop it, as vLLM does
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         await _compile_guided(engine, state, body.guided_spec())
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        jobs = _jobs(engine, state, limits, body, prompt_ids, max_tokens)
+        groups = _requests(engine, state, limits, body, prompt_ids, max(max_tokens, 1))
+        # decoded once the ids are known to be in the vocabulary (tokenizers raises past 2**32)
+        texts = await state.run_cpu(_echo_texts, tokenizer, prompts, prompt_ids, body.echo)
+        jobs = _submit(engine, groups, body.n, texts)
+    token_texts = TokenTexts(tokenizer)
+    choices = [CompletionChoice(job, body, token_texts) for job in jobs]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return sse(completion_chunks(jobs, body, state.model_name, rid, created))
+        return sse(completion_chunks(jobs, choices, state.model_name, rid, created))
     outs = await _collect(jobs)
-    choices = [
-        {
-            "index": i,
-            "text": o.outputs[0].text,
-            "logprobs": None,
-            "finish_reason": o.outputs[0].finish_reason,
-            "stop_reason": o.outputs[0].stop_reason,
-        }
-        for i, o in enumerate(outs)
-    ]
     return JSONResponse(
         {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": state.model_name,
-            "choices": choices,
-            "usage": usage(outs),
+            "choices": [choice.whole(out) for choice, out in zip(choices, outs, strict=True)],
+            "usage": usage(jobs, outs, body.max_tokens != 0),
         }
     )
 
@@ -113,7 +114,7 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
     messages, extra = template_inputs(body, tokenizer.chat_template)
-    with state.admission.preparing(state.engine_queue(), 1, limits):
+    with state.admission.preparing(state.engine_queue(), body.n, limits):
         try:
             prompt_ids = await state.run_cpu(
                 partial(
@@ -129,31 +130,22 @@ async def _chat_completion(body: ChatCompletionRequest, state: ServerState) -> R
         await _compile_guided(engine, state, guided)
         max_model_len = engine.engine.max_model_len
         max_tokens = body.requested_max_tokens or max(max_model_len - len(prompt_ids), 1)
-        (job,) = _jobs(engine, state, limits, body, [prompt_ids], max_tokens, guided)
+        groups = _requests(engine, state, limits, body, [prompt_ids], max_tokens, guided)
+        jobs = _submit(engine, groups, body.n)
+    token_texts = TokenTexts(tokenizer)
+    choices = [ChatChoice(job, body, token_texts) for job in jobs]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return sse(chat_chunks(job, body, state.model_name, rid, created))
-    (out,) = await _collect([job])
-    completion = out.outputs[0]
-    content, calls = parse_output(completion.text, body)
-    message: dict[str, object] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.as_openai() for c in calls]
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": tool_finish_reason(completion.finish_reason, calls, body),
-        "stop_reason": completion.stop_reason,
-    }
+        return sse(chat_chunks(jobs, choices, state.model_name, rid, created))
+    outs = await _collect(jobs)
     return JSONResponse(
         {
             "id": rid,
             "object": "chat.completion",
             "created": created,
             "model": state.model_name,
-            "choices": [choice],
-            "usage": usage([out]),
+            "choices": [choice.whole(out) for choice, out in zip(choices, outs, strict=True)],
+            "usage": usage(jobs, outs),
         }
     )
 
@@ -184,13 +176,30 @@ def _engine_for(state: ServerState, body: _Sampling) -> tuple[AsyncEngine, Reque
     return state.require_engine()
 
 
-async def _compile_guided(
-    engine: AsyncEngine, state: ServerState, spec: GuidedSpec | None
-) -> None:
+async def _compile_guided(engine: AsyncEngine, state: ServerState, spec: GuidedSpec | None) -> None:
     """Compile a structured output's grammar on the CPU pool (a 400 naming the field if it
     does not compile); `make_request` then finds it in the compiler's cache."""
     if spec is not None:
         await state.run_cpu(engine.engine.grammars.compile, spec)
+
+
+def _echo_texts(
+    tokenizer: Tokenizer | None,
+    prompts: list[str | list[int]],
+    prompt_ids: list[list[int]],
+    echo: bool,
+) -> list[str]:
+    """Each prompt's text for echo: as sent, or its token ids decoded (runs on the CPU pool)."""
+    if not echo:
+        return [""] * len(prompts)
+    return [
+        p
+        if isinstance(p, str)
+        else tokenizer.decode(ids, skip_special_tokens=False)
+        if tokenizer is not None
+        else ""
+        for p, ids in zip(prompts, prompt_ids, strict=True)
+    ]
 
 
 def _encode_all(tokenizer: Tokenizer | None, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -204,7 +213,7 @@ def _encode_all(tokenizer: Tokenizer | None, prompts: list[str | list[int]]) -> 
     return out
 
 
-def _jobs(
+def _requests(
     engine: AsyncEngine,
     state: ServerState,
     limits: RequestLimits,
@@ -212,9 +221,9 @@ def _jobs(
     prompt_ids: list[list[int]],
     max_tokens: int,
     guided: GuidedSpec | None = None,
-) -> list[Job]:
-    """Check every prompt against the model and the token queue, then hand them to the engine:
-    all of a request's prompts are accepted, or none."""
+) -> list[list[EngineRequest]]:
+    """Check every prompt against the model and the token queue; each prompt's n engine
+    requests. Nothing is queued yet: all of a request's sequences are accepted, or none."""
     limit = engine.engine.max_model_len
     for ids in prompt_ids:
         if len(ids) + max_tokens > limit:
@@ -226,16 +235,27 @@ def _jobs(
                 "max_tokens",
             )
     state.admission.check_tokens(
-        state.engine_queue(), sum(len(ids) for ids in prompt_ids), limits
+        state.engine_queue(), sum(len(ids) for ids in prompt_ids) * body.n, limits
     )
     params = body.sampling_params(max_tokens)
     if guided is not None:  # the body's own, or one the route adds (tool_choice auto)
         params = dataclasses.replace(params, guided=guided)
-    requests = [
-        engine.engine.make_request(ids, params, uuid.uuid4().hex, body.cache_salt)
+    return [
+        engine.engine.make_requests(ids, params, uuid.uuid4().hex, body.cache_salt)
         for ids in prompt_ids
     ]
-    return [Job(r.prompt_token_ids, engine.submit(r)) for r in requests]
+
+
+def _submit(
+    engine: AsyncEngine, groups: list[list[EngineRequest]], n: int, texts: list[str] | None = None
+) -> list[Job]:
+    """Queue every request; a Job each, with its choice index (prompt index x n + i)."""
+    texts = texts or [""] * len(groups)
+    return [
+        Job(r.prompt_token_ids, engine.submit(r), p * n + r.index, p, texts[p])
+        for p, group in enumerate(groups)
+        for r in group
+    ]
 
 
 async def _collect(jobs: list[Job]) -> list[RequestOutput]:

@@ -1,13 +1,13 @@
-"""Request bodies of the OpenAI API (completions, chat), validated with pydantic.
+"""Request bodies of the OpenAI API (completions, chat, tokenize), validated with pydantic.
 
 Fields OpenAI defines that kubeinfer does not implement are accepted at their neutral value
-and refused otherwise with a message saying so (n > 1, echo, logprobs, penalties, ...);
+and refused otherwise with a message saying so (suffix, best_of other than n, ...);
 fields OpenAI does not define are refused by name. vLLM's extensions (top_k, min_p,
-stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt) are supported, and
-structured outputs (response_format and vLLM's guided_* fields: protocol_guided.py), and tool
-calling (tools, tool_choice, tool messages: protocol_tools.py). Sizes
-the server caps by its settings (prompts, stop strings, messages, characters) are checked in
-limits.py; token ids against the vocabulary in the engine.
+repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens, cache_salt)
+are supported, and structured outputs (response_format and vLLM's guided_* fields:
+protocol_guided.py), and tool calling (tools, tool_choice, tool messages: protocol_tools.py).
+Sizes the server caps by its settings (prompts, n, stop strings, logit_bias entries, messages,
+characters) are checked in limits.py; token ids against the vocabulary in the engine.
 """
 
 from __future__ import annotations
@@ -15,14 +15,26 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from kubeinfer.runtime.engine.guided_spec import GuidedSpec
-from kubeinfer.runtime.engine.sampling_params import SamplingParams
+from kubeinfer.runtime.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from kubeinfer.runtime.server.protocol_guided import GuidedFields
 from kubeinfer.runtime.server.protocol_tools import ToolCall, ToolFields
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+MAX_N = 128
+"""The schema's bound on `n` (OpenAI's); the server's own cap is `--max-n`."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Completions' `logprobs` (OpenAI's bound); chat's `top_logprobs` goes to 20."""
 
 
 class StreamOptions(BaseModel):
@@ -46,7 +58,7 @@ class _Sampling(GuidedFields):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -54,16 +66,22 @@ class _Sampling(GuidedFields):
     """Prefix-cache key: requests share cached prompt blocks only with equal salts (tenants)."""
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as OpenAI's) -> bias in [-100, 100]; ids checked in the engine."""
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids (integers >= 0), got {key[:20]!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported; send one request per completion")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         for value in self._unsupported_extras():
@@ -78,8 +96,13 @@ class _Sampling(GuidedFields):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams."""
+        return None, None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, prompt_logprobs = self._logprobs()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -93,6 +116,13 @@ class _Sampling(GuidedFields):
             min_tokens=min(self.min_tokens, max_tokens),
             skip_special_tokens=self.skip_special_tokens,
             guided=self.guided_spec(),
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -103,22 +133,30 @@ class CompletionRequest(_Sampling):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
+    max_tokens: int | None = Field(None, ge=0)
+    """0 only with echo: the prompt back (with its logprobs), nothing generated (as vLLM)."""
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
-    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     def _unsupported_extras(self) -> list[str]:
         errors = []
-        if self.echo:
-            errors.append("echo=true is not supported")
-        if self.logprobs:
-            errors.append("logprobs is not supported")
-        if self.best_of not in (None, 1):
-            errors.append("best_of > 1 is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            errors.append("max_tokens: must be >= 1 (0 only with echo=true)")
+        if self.best_of is not None and self.best_of < self.n:
+            errors.append(f"best_of: must be >= n (best_of {self.best_of}, n {self.n})")
+        if self.best_of is not None and self.best_of > self.n:
+            errors.append(
+                f"best_of: best_of > n is not supported (best_of {self.best_of}, n {self.n}); "
+                "ask for n completions and rank them yourself"
+            )
         if self.suffix:
-            errors.append("suffix is not supported")
+            errors.append("suffix: not supported")
         return errors
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -197,8 +235,8 @@ class ChatCompletionRequest(_Sampling, ToolFields):
 
     def _unsupported_extras(self) -> list[str]:
         errors = []
-        if self.logprobs or self.top_logprobs:
-            errors.append("logprobs is not supported")
+        if self.top_logprobs and not self.logprobs:
+            errors.append("top_logprobs: needs logprobs=true")
         if self.max_tokens and self.max_completion_tokens:
             errors.append("give max_tokens or max_completion_tokens, not both")
         return errors
@@ -214,3 +252,6 @@ class ChatCompletionRequest(_Sampling, ToolFields):
         if spec is not None and tool_spec is not None:
             raise ValueError(f"tool_choice {self.tool_mode} cannot be combined with {spec.param}")
         return tool_spec or spec
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None

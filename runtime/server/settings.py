@@ -47,13 +47,15 @@ class ServerSettings(BaseSettings):
     """Most characters in one prompt (or all of a chat's messages) before tokenizing; default:
     32 per token of max_model_len, so a body never costs more CPU than the context justifies."""
     max_prompts_per_request: int = Field(128, ge=1)
-    """Most prompts in one /v1/completions request (each becomes an engine request)."""
+    """Most sequences in one request: prompts x n (each becomes an engine request)."""
     max_stop_strings: int = Field(16, ge=0)
     """Most `stop` strings per request (OpenAI allows 4)."""
     max_stop_string_chars: int = Field(256, ge=1)
     """Longest `stop` string, in characters."""
     max_stop_token_ids: int = Field(128, ge=0)
     """Most `stop_token_ids` per request."""
+    max_logit_bias: int = Field(300, ge=0)
+    """Most `logit_bias` entries per request."""
     max_chat_messages: int = Field(2048, ge=1)
     """Most messages in one chat request (OpenAI's limit)."""
     max_queued_requests: int | None = Field(None, ge=1)

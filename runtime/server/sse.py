@@ -9,37 +9,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
 from kubeinfer.runtime.engine.async_engine import EngineDeadError, RequestFailedError
 from kubeinfer.runtime.engine.outputs import RequestOutput
+from kubeinfer.runtime.server.choices import ChatChoice, CompletionChoice, Job, usage
 from kubeinfer.runtime.server.errors import error_body
-from kubeinfer.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from kubeinfer.runtime.server.tool_calls import ToolCallStream, tool_finish_reason
-
-
-@dataclass(slots=True)
-class Job:
-    """One prompt of a request, validated and ready to stream."""
-
-    prompt_ids: list[int]
-    stream: AsyncIterator[RequestOutput]
-
-
-def usage(outs: list[RequestOutput]) -> dict[str, int]:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
 
 
 async def merged(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the prompt's index."""
+    """Outputs of several streams as they come, tagged with the job's place in `jobs`."""
     if len(jobs) == 1:
         async for out in jobs[0].stream:
             yield 0, out
@@ -72,80 +52,35 @@ async def merged(jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
 
 
 async def completion_chunks(
-    jobs: list[Job], body: CompletionRequest, model: str, rid: str, created: int
+    jobs: list[Job], choices: list[CompletionChoice], model: str, rid: str, created: int
 ) -> AsyncIterator[dict]:
     finals: dict[int, RequestOutput] = {}
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     async for i, out in merged(jobs):
-        c = out.outputs[0]
         if out.finished:
             finals[i] = out
-        if c.new_text or out.finished:
-            yield {
-                **head,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": c.new_text,
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                ],
-            }
+        if (choice := choices[i].delta(out)) is not None:
+            yield {**head, "choices": [choice]}
+    body = choices[0].body
     if body.include_usage:
-        yield {**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])}
+        outs = [finals[i] for i in sorted(finals)]
+        yield {**head, "choices": [], "usage": usage(jobs, outs, choices[0].keeps_output)}
 
 
 async def chat_chunks(
-    job: Job, body: ChatCompletionRequest, model: str, rid: str, created: int
+    jobs: list[Job], choices: list[ChatChoice], model: str, rid: str, created: int
 ) -> AsyncIterator[dict]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield {
-        **head,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-    }
-    final = None
-    tools = ToolCallStream(body)  # holds back text that may be a tool call
-    async for _, out in merged([job]):
-        c = out.outputs[0]
-        text, finish_reason = tools.push(c.new_text), c.finish_reason
+    for choice in choices:
+        yield {**head, "choices": [choice.first()]}
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in merged(jobs):
         if out.finished:
-            rest, calls = tools.finish()
-            text += rest
-            if calls:  # each call whole, in one delta, before the finish chunk
-                deltas = [call.as_openai(i) for i, call in enumerate(calls)]
-                finish_reason = tool_finish_reason(finish_reason, calls, body)
-                if text:
-                    yield _chat_chunk(head, {"content": text}, None, None)
-                    text = ""
-                yield _chat_chunk(head, {"tool_calls": deltas}, None, None)
-        if text or out.finished:
-            delta = {"content": text} if text else {}
-            yield _chat_chunk(head, delta, finish_reason, c.stop_reason)
-        final = out
-    if body.include_usage and final is not None:
-        yield {**head, "choices": [], "usage": usage([final])}
-
-
-def _chat_chunk(
-    head: dict, delta: dict, finish_reason: str | None, stop_reason: int | str | None
-) -> dict:
-    choice = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": stop_reason,
-    }
-    return {**head, "choices": [choice]}
+            finals[i] = out
+        for delta in choices[i].deltas(out):
+            yield {**head, "choices": [delta]}
+    if choices[0].body.include_usage:
+        yield {**head, "choices": [], "usage": usage(jobs, [finals[i] for i in sorted(finals)])}
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:

@@ -159,7 +159,7 @@ def parse_output(text: str, body: ChatCompletionRequest) -> tuple[str | None, li
 def tool_finish_reason(
     reason: str | None, calls: list[ParsedCall], body: ChatCompletionRequest
 ) -> str | None:
-    """"tool_calls" when the model stopped on calls (a named function's call stays "stop",
+    """ "tool_calls" when the model stopped on calls (a named function's call stays "stop",
     as OpenAI and vLLM answer it)."""
     if calls and reason == "stop" and body.tool_mode != "named":
         return "tool_calls"

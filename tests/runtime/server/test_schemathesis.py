@@ -101,7 +101,22 @@ hostile_sampling = st.fixed_dictionaries(
         "seed": st.integers(-(2**63), 2**63 - 1),
         "ignore_eos": st.booleans(),
         "cache_salt": st.text(min_size=1, max_size=260),
+        # issue #18's fields: ids past the vocabulary, past the entry cap, values past the range
+        "logit_bias": st.dictionaries(
+            token_id.map(str), st.floats(-150, 150), max_size=310
+        ),
+        "n": st.integers(1, 8),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.01, 2),
     },
+)
+completion_extras = st.fixed_dictionaries(
+    {},
+    optional={"echo": st.booleans(), "logprobs": st.integers(0, 5), "best_of": st.integers(1, 8)},
+)
+chat_extras = st.fixed_dictionaries(
+    {}, optional={"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)}
 )
 hostile_prompt = st.one_of(
     st.text(min_size=1, max_size=200),
@@ -113,15 +128,19 @@ hostile_prompt = st.one_of(
 def test_hostile_values_within_the_schema(tiny_server: Server) -> None:
     counts: Counter[int] = Counter()
 
-    @given(sampling=hostile_sampling, prompt=hostile_prompt, chat=st.booleans())
+    @given(sampling=hostile_sampling, prompt=hostile_prompt, chat=st.booleans(),
+           completion=completion_extras, chat_only=chat_extras)
     @settings(max_examples=120, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    def check(sampling: dict, prompt: object, chat: bool) -> None:
+    def check(
+        sampling: dict, prompt: object, chat: bool, completion: dict, chat_only: dict
+    ) -> None:
         if chat:
             text = prompt if isinstance(prompt, str) else "hi"
-            path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+            path = "/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": text}], **chat_only}
         else:
-            path, body = "/v1/completions", {"prompt": prompt}
+            path, body = "/v1/completions", {"prompt": prompt, **completion}
         with tiny_server.client() as client:
             r = client.post(path, json={**body, **sampling})
         counts[r.status_code] += 1
