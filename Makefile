@@ -65,6 +65,7 @@ test: lint pytest
 bench: venv model
 	@$(TIMED) bench-loader $(PY) bench/loader.py
 	@$(TIMED) bench-scheduler $(PY) bench/scheduler.py
+	@$(TIMED) bench-sampler $(PY) bench/sampler.py
 	@$(TIMED) bench-throughput $(PY) bench/throughput.py
 	@$(TIMED) bench-serve $(PY) bench/serve.py
 	@$(TIMED) bench-overload $(PY) bench/overload.py
