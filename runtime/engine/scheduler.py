@@ -8,6 +8,10 @@ over several steps (chunked prefill), so prefills and decodes share steps. When 
 runs out, the newest running request is preempted (its blocks freed, to be recomputed later);
 a step that preempted admits nothing new. No torch here.
 
+The sequences of an n > 1 request are requests of their own; sequences 1..n-1 start with the
+full prompt blocks of sequence 0 (`Request.shares_prompt_with`), shared by reference count,
+waiting at the head of the queue until sequence 0 has them (see `_computed_blocks`).
+
 Finishing a request is O(1) wherever it is (an abort of one of 20,000 queued requests must not
 walk the queue): a waiting request is only marked finished and skipped when it reaches the head
 of `waiting`, so `len(waiting)` over-counts: count with `num_waiting` (O(1), and it includes
