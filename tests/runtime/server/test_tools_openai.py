@@ -142,6 +142,45 @@ def test_streamed_calls_reassemble_to_the_same_call(
     assert content.strip() == (full.message.content or "").strip()
 
 
+def test_n_choices_each_get_calls_and_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
+    """n > 1 with tools: each sibling is held to the tools' grammar, has its own calls (in its
+    own index) and the logprobs of the tokens it wrote, streamed or not."""
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        max_tokens=80,
+    )
+    r = client.chat.completions.create(**kwargs)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert_valid_calls(choice.message.tool_calls)
+        assert choice.logprobs is not None and choice.logprobs.content
+    calls: dict[int, str] = {0: "", 1: ""}
+    finish: dict[int, str] = {}
+    num_logprobs = {0: 0, 1: 0}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                calls[choice.index] += d.function.arguments if d.function else ""
+            if choice.logprobs is not None:
+                num_logprobs[choice.index] += len(choice.logprobs.content or [])
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for i, choice in enumerate(sorted(r.choices, key=lambda c: c.index)):
+        # the same seeds: the streamed calls are the whole response's, token for token
+        assert json.loads(calls[i]) == json.loads(choice.message.tool_calls[0].function.arguments)
+        assert num_logprobs[i] == len(choice.logprobs.content)
+
+
 def test_tool_results_go_back_to_the_model(client: openai.OpenAI) -> None:
     messages = [
         *ASK,
