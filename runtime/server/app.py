@@ -30,15 +30,15 @@ GUARDED = ("/v1", "/tokenize", "/detokenize")
 
 class Guard:
     """Pure ASGI middleware in front of /v1 and the tokenizer routes: API key (401), shutdown
-        (503), body size (413).
+    (503), body size (413).
 
-        A POST that arrives while the waiting queue is already full gets its 429 here, before its body
-    is read (the route makes the exact check, with the request's own size). The body is read here,
-    whole and bounded, before any route runs: a body over the limit gets
-        413 whether it declared a Content-Length or came chunked, and the route sees it replayed.
-        Messages after the body (the client's disconnect) pass straight through, so routes and
-        streams still see a client leave. Every /v1 request is counted in flight until its last
-        byte is sent, which is what the SIGTERM drain waits for.
+    A POST that arrives while the waiting queue is already full gets its 429 here, before its
+    body is read (the route makes the exact check, with the request's own size). The body is
+    read here, whole and bounded, before any route runs: a body over the limit gets 413 whether
+    it declared a Content-Length or came chunked, and the route sees it replayed. Messages after
+    the body (the client's disconnect) pass straight through, so routes and streams still see a
+    client leave. Every /v1 request is counted in flight until its last byte is sent, which is
+    what the SIGTERM drain waits for.
     """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
