@@ -7,8 +7,11 @@ and how many requests began with the same 8 tokens in both engines.
 
 Served (`--served`): `kubeinfer serve` and vLLM's OpenAI server, one at a time, under the same
 closed-loop load from `kubeinfer.runtime.loadgen` (128 prompt / 32 output tokens, streamed) at
-concurrency 1, 4 and 16: output tokens/s, TTFT p50 and inter-token latency p50 (goal: ours no
-worse than vLLM's).
+concurrency 1, 4 and 16: output tokens/s, TTFT p50, inter-token latency p50 (the gaps between
+streamed chunks) and time per output token p50 ((end - first token) / (tokens - 1) per
+request; goal: ours no worse than vLLM's). The row's ratio is vLLM's TPOT / ours: a server
+whose chunks arrive in bursts (as ours did on a loaded machine, where the gaps' p50 fell to
+0 ms) shows a low ITL p50 without being faster, and TPOT does not fall for that.
 
 The peer is installed by hack/peer_vllm.sh into ~/.cache/kubeinfer/peer (once) and run as its
 docs advise: both cores (VLLM_CPU_OMP_THREADS_BIND=0-1, no reserved core), tcmalloc and its
@@ -256,14 +259,15 @@ def main() -> int:
             res = served(args.model, dtype, args.concurrency)
             print(
                 f"\nserved {dtype}: {'conc':>4} {'engine':>6} {'tok/s':>7} {'TTFT p50':>9} "
-                f"{'ITL p50':>8}"
+                f"{'ITL p50':>8} {'TPOT p50':>9}"
             )
             for c in args.concurrency:
                 for e in ("vllm", "ours"):
                     rep = res[e][c]
                     print(
                         f"{'':15} {c:4d} {e:>6} {rep.output_tokens_per_s:7.1f} "
-                        f"{rep.ttft_p50_s * 1e3:7.0f}ms {rep.itl_p50_s * 1e3:6.1f}ms"
+                        f"{rep.ttft_p50_s * 1e3:7.0f}ms {rep.itl_p50_s * 1e3:6.1f}ms "
+                        f"{rep.tpot_p50_s * 1e3:7.1f}ms"
                         + (f" errors {rep.errors}" if rep.errors else "")
                     )
                 ours, peer = res["ours"][c], res["vllm"][c]
@@ -272,10 +276,13 @@ def main() -> int:
                     continue
                 rows.append(
                     f"| {today} | peer_vllm served | SmolLM2-135M {dtype}, concurrency {c}, "
-                    f"128 in / 32 out | ITL p50 {ours.itl_p50_s * 1e3:.1f} ms, "
+                    f"128 in / 32 out | ITL p50 {ours.itl_p50_s * 1e3:.1f} ms, TPOT p50 "
+                    f"{ours.tpot_p50_s * 1e3:.1f} ms, TTFT p50 {ours.ttft_p50_s * 1e3:.0f} ms, "
                     f"{ours.output_tokens_per_s:.1f} tok/s | vLLM ITL p50 "
-                    f"{peer.itl_p50_s * 1e3:.1f} ms, {peer.output_tokens_per_s:.1f} tok/s | "
-                    f"{peer.itl_p50_s / max(ours.itl_p50_s, 1e-9):.2f}x |\n"
+                    f"{peer.itl_p50_s * 1e3:.1f} ms, TPOT p50 {peer.tpot_p50_s * 1e3:.1f} ms, "
+                    f"TTFT p50 {peer.ttft_p50_s * 1e3:.0f} ms, "
+                    f"{peer.output_tokens_per_s:.1f} tok/s | "
+                    f"TPOT {peer.tpot_p50_s / max(ours.tpot_p50_s, 1e-9):.2f}x |\n"
                 )
     with RESULTS.open("a") as f:
         f.writelines(rows)

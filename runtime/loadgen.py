@@ -47,6 +47,9 @@ class LoadReport:
     itl_p99_s: float
     e2e_p50_s: float
     e2e_p99_s: float
+    tpot_p50_s: float = 0.0
+    """Time per output token after the first, per request ((e2e - TTFT) / (tokens - 1)): unlike
+    the inter-token gaps, it does not fall when a server sends several tokens' chunks at once."""
     errors: dict[str, int] = field(default_factory=dict)
     requests_per_url: dict[str, int] = field(default_factory=dict)
 
@@ -69,7 +72,8 @@ class LoadReport:
             f"tokens: {self.prompt_tokens} prompt, {self.output_tokens} output "
             f"({self.output_tokens_per_s:,.1f} output tokens/s)",
             f"TTFT p50 {self.ttft_p50_s * 1e3:.1f} ms, p99 {self.ttft_p99_s * 1e3:.1f} ms",
-            f"inter-token p50 {self.itl_p50_s * 1e3:.2f} ms, p99 {self.itl_p99_s * 1e3:.2f} ms",
+            f"inter-token p50 {self.itl_p50_s * 1e3:.2f} ms, p99 {self.itl_p99_s * 1e3:.2f} ms, "
+            f"time per output token p50 {self.tpot_p50_s * 1e3:.2f} ms",
             f"end-to-end p50 {self.e2e_p50_s:.3f} s, p99 {self.e2e_p99_s:.3f} s",
         ]
         lines += [f"error {kind}: {n}" for kind, n in sorted(self.errors.items())]
@@ -217,6 +221,7 @@ def _report(results: list[_Result], num_requests: int, duration: float) -> LoadR
     ttft = [r.ttft_s for r in ok]
     gaps = [g for r in ok for g in r.gaps_s]
     e2e = [r.e2e_s for r in ok]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return LoadReport(
         num_requests=num_requests,
         num_ok=len(ok),
@@ -227,6 +232,7 @@ def _report(results: list[_Result], num_requests: int, duration: float) -> LoadR
         ttft_p99_s=percentile(ttft, 99),
         itl_p50_s=percentile(gaps, 50),
         itl_p99_s=percentile(gaps, 99),
+        tpot_p50_s=percentile(tpot, 50),
         e2e_p50_s=percentile(e2e, 50),
         e2e_p99_s=percentile(e2e, 99),
         errors=errors,

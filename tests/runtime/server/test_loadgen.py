@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kubeinfer.cli import app
-from kubeinfer.runtime.loadgen import run_load
+from kubeinfer.runtime.loadgen import _report, _Result, run_load
 
 from .conftest import API_KEY, Server
 
@@ -52,3 +52,16 @@ def test_cli_closed_loop_json(tiny_server: Server) -> None:
     report = json.loads(result.output)
     assert report["num_ok"] == 6 and report["output_tokens"] == 30
     assert report["output_tokens_per_s"] > 0
+
+
+def test_tpot_is_not_fooled_by_bursty_chunks() -> None:
+    """A server that sends its chunks in bursts has inter-token gaps near 0 (p50 0 ms, as ours
+    had on a loaded machine), but its time per output token is the real pace."""
+    bursty = _Result("u", True, ttft_s=0.1, e2e_s=1.1, gaps_s=[0.0, 0.0, 0.0, 0.2] * 5)
+    bursty.output_tokens = 21
+    steady = _Result("u", True, ttft_s=0.1, e2e_s=0.6, gaps_s=[0.05] * 10)
+    steady.output_tokens = 11
+    alone = _report([bursty], 1, 2.0)
+    assert alone.itl_p50_s == 0.0 and alone.tpot_p50_s == pytest.approx(0.05)
+    report = _report([bursty, steady, _Result("u", False, error="x")], 3, 2.0)
+    assert report.tpot_p50_s == pytest.approx(0.05) and report.num_failed == 1
