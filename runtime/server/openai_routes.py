@@ -85,9 +85,11 @@ async def _completion(body: CompletionRequest, state: ServerState) -> Response:
         # max_tokens 0 (echo only): generate one token and drop it, as vLLM does
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         await _compile_guided(engine, state, body.guided_spec())
+        vocab = engine.engine.runner.vocab_size
+        texts = await state.run_cpu(_echo_texts, tokenizer, prompts, prompt_ids, body.echo, vocab)
+        # no await from the token-queue check to the submit: concurrent requests would all
+        # pass the check against the same queue before any of them joined it
         groups = _requests(engine, state, limits, body, prompt_ids, max(max_tokens, 1))
-        # decoded once the ids are known to be in the vocabulary (tokenizers raises past 2**32)
-        texts = await state.run_cpu(_echo_texts, tokenizer, prompts, prompt_ids, body.echo)
         jobs = _submit(engine, groups, body.n, texts)
     token_texts = TokenTexts(tokenizer)
     choices = [CompletionChoice(job, body, token_texts) for job in jobs]
@@ -188,15 +190,18 @@ def _echo_texts(
     prompts: list[str | list[int]],
     prompt_ids: list[list[int]],
     echo: bool,
+    vocab_size: int,
 ) -> list[str]:
-    """Each prompt's text for echo: as sent, or its token ids decoded (runs on the CPU pool)."""
+    """Each prompt's text for echo: as sent, or its token ids decoded (runs on the CPU pool).
+    Ids outside the vocabulary are not decoded (tokenizers raises past 2**32): the engine's
+    check refuses that prompt with a 400 right after."""
     if not echo:
         return [""] * len(prompts)
     return [
         p
         if isinstance(p, str)
         else tokenizer.decode(ids, skip_special_tokens=False)
-        if tokenizer is not None
+        if tokenizer is not None and all(0 <= i < vocab_size for i in ids)
         else ""
         for p, ids in zip(prompts, prompt_ids, strict=True)
     ]

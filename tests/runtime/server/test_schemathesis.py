@@ -18,11 +18,18 @@ from collections import Counter
 
 import httpx
 import schemathesis
+import schemathesis.specs.openapi.schemas  # noqa: F401 - see below
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
 from .conftest import Server
+
+# schemathesis imports its OpenAPI modules on the first `from_url`, and pytest rewrites their
+# asserts with `ast` as they load. On CPython 3.11.7 `ast` keeps its recursion depth per process,
+# not per thread (gh-106905), so a parse racing another thread's failed in CI with "AST
+# constructor recursion depth mismatch". Imported here, they are rewritten at collection, while
+# the test process has one thread.
 
 
 def _schema(server: Server):  # noqa: ANN202
