@@ -71,10 +71,36 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.plain is not None and x2.shape[0] <= FEW_ROWS:
+        rows = x2.shape[0]
+        if self.plain is not None and rows <= FEW_ROWS:
             return torch.nn.functional.linear(x, self.plain, self.bias)
+        padded = bucket_rows(rows)
+        if padded != rows:  # a row count oneDNN has a primitive for (see bucket_rows)
+            xp = x2.new_empty((padded, x2.shape[1]))
+            xp[:rows] = x2
+            xp[rows:] = 0
+            x2 = xp
         y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        return y.view(*shape[:-1], self.out_features)
+        return y[:rows].view(*shape[:-1], self.out_features)
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a linear runs at: `rows` rounded up to a bucket (exact up to 16, then
+    multiples of 4 to 64, doubling the step at every doubling of the rows: 8 to 128, ..., 128
+    to 2048, 256 beyond), so at most 18 % padding.
+
+    oneDNN builds a primitive for every new shape (1.7 ms for a 576x1536 bfloat16 layer on
+    the dev machine, against 0.15 ms for the product itself) and keeps 1024 in its cache; the
+    engine's row counts (decode batches, prefill chunks, mixes of both) take hundreds of values,
+    so without buckets a run kept building primitives: a cold 64-request bfloat16 run went at
+    a fraction of a warm one's speed. With them a model has a bounded set of shapes (68 per
+    layer shape up to 2048 rows)."""
+    if rows <= 16:
+        return rows
+    for limit, step in ((64, 4), (128, 8), (256, 16), (512, 32), (1024, 64), (2048, 128)):
+        if rows <= limit:
+            return -(-rows // step) * step
+    return -(-rows // 256) * 256
 
 
 DUAL_MAX_BYTES = 4 << 30

@@ -1,0 +1,36 @@
+"""oneDNN-prepacked linears: row buckets (bounded primitive shapes) and padded results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kubeinfer.runtime.models.cpu_linear import PackedLinear, bucket_rows, can_pack
+
+
+def test_buckets_bound_the_shapes_and_the_padding() -> None:
+    buckets = {bucket_rows(m) for m in range(1, 2049)}
+    assert len(buckets) == 68  # was one shape per row count: 2048
+    for m in range(1, 4097):
+        b = bucket_rows(m)
+        assert b >= m and bucket_rows(b) == b
+        assert (b - m) / m < 0.18, m
+    assert [bucket_rows(m) for m in (1, 16, 17, 64, 65, 257, 1025)] == [
+        1, 16, 20, 64, 72, 288, 1152,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 17, 100, 300])
+def test_padded_rows_give_the_unpadded_result(dtype: torch.dtype, rows: int) -> None:
+    if not can_pack(dtype):
+        pytest.skip(f"oneDNN packing is not available here for {dtype}")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(2, rows, 64).to(dtype)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    got = PackedLinear(linear)(x)
+    assert got.shape == (2, rows, 48) and got.is_contiguous()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
