@@ -104,6 +104,23 @@ class RolloutSpec(_Spec):
     max_unavailable: IntOrPercent = Field(0, alias="maxUnavailable")
 
 
+RoutingMode = Literal["router", "service", "inferencePool"]
+
+
+class RoutingSpec(_Spec):
+    """spec.routing: what the model's endpoint (its Service) points at.
+
+    `router`: the model's own `kubeinfer router` pods (prefix affinity, load, holding requests
+    while no replica is ready); `service`: the runtime pods directly (connection round robin);
+    `inferencePool`: the runtime pods directly plus an InferencePool for a Gateway API
+    Inference Extension gateway."""
+
+    mode: RoutingMode = "router"
+    replicas: int = Field(1, ge=1, le=16)
+    max_held_requests: int = Field(256, alias="maxHeldRequests", ge=0, le=100_000)
+    max_hold_seconds: int = Field(300, alias="maxHoldSeconds", ge=1, le=3600)
+
+
 class SecretKeyRef(_Spec):
     name: str = ""
     key: str = ""
@@ -121,6 +138,7 @@ class InferenceModelSpec(_Spec):
     replicas: int = Field(1, ge=0)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
 
 

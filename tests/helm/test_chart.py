@@ -180,7 +180,13 @@ def test_clusterwide_rbac(helm: Helm) -> None:
     assert ("", "pods", "watch") in rules
     assert ("apps", "replicasets", "watch") in rules  # pods are matched through their owners
     assert ("", "pods", "delete") not in rules
-    assert ("apps", "deployments", "delete") not in rules
+    # a model's router (its Deployment, ServiceAccount, Role, RoleBinding) goes when the
+    # model leaves routing mode router; the operator grants the router pods get/list/watch only
+    assert ("apps", "deployments", "delete") in rules
+    for resource in ("serviceaccounts", "roles", "rolebindings"):
+        group = "" if resource == "serviceaccounts" else "rbac.authorization.k8s.io"
+        assert {(group, resource, v) for v in ("create", "patch", "delete")} <= rules
+    assert not any(r[2] in ("bind", "escalate") for r in rules)
     assert ("", "namespaces", "list") not in rules  # kopf lists them only when namespaced
     assert not any(r[0] == "kopf.dev" for r in rules)  # peering is off by default
     (binding,) = _kinds(objs, "ClusterRoleBinding")
