@@ -88,6 +88,11 @@ class AutoscalingSpec(_Spec):
     panic_window_seconds: int = Field(6, alias="panicWindowSeconds", ge=1)
     scale_down_delay_seconds: int = Field(300, alias="scaleDownDelaySeconds", ge=0)
     scrape_interval_seconds: int = Field(5, alias="scrapeIntervalSeconds", ge=1)
+    #: with minReplicas 0: this long without a request at the router scales to zero (the CRD
+    #: has no default, so that CEL can refuse it beside minReplicas above 0)
+    scale_to_zero_after_seconds: int = Field(
+        300, alias="scaleToZeroAfterSeconds", ge=0, le=86400
+    )
 
 
 IntOrPercent = int | str
@@ -225,6 +230,15 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         raise InvalidSpecError("spec.rollout.maxSurge and maxUnavailable cannot both be 0")
     if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
         raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
+    if (
+        parsed.autoscaling.enabled
+        and parsed.autoscaling.min_replicas == 0
+        and parsed.routing.mode != "router"
+    ):
+        raise InvalidSpecError(
+            "spec.autoscaling.minReplicas 0 needs spec.routing.mode router (the router holds "
+            "requests while no replica runs, and its held demand scales the model from zero)"
+        )
     names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]
     if len(set(names)) != len(names):
         raise InvalidSpecError(

@@ -149,3 +149,13 @@ def test_an_owned_router_is_deleted_in_service_mode_but_never_anothers() -> None
     assert sorted(plan.deletes) == sorted(mine)
     theirs = {rid: live(*child_ref(rid, "smollm2")) for rid in mine}
     assert plan_children(model, theirs, CONFIG).deletes == []
+
+
+@pytest.mark.parametrize("mode", ["service", "inferencePool"])
+def test_scale_from_zero_needs_the_router(mode: str) -> None:
+    """Only the router holds requests at zero replicas and reports them to the autoscaler."""
+    spec = {"model": {"uri": "pvc://w"}, "routing": {"mode": mode},
+            "autoscaling": {"enabled": True, "minReplicas": 0}}  # fmt: skip
+    with pytest.raises(InvalidSpecError, match="minReplicas 0 needs spec.routing.mode router"):
+        parse_spec(spec)
+    parse_spec({**spec, "routing": {"mode": "router"}})
