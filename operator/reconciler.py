@@ -109,6 +109,10 @@ class Reconciler:
         """The model's pods (owner-matched), for the autoscaler."""
         return self.store.owned_pods(key)
 
+    def owned_router_pods(self, key: Key) -> dict[str, dict[str, Any]]:
+        """The model's router pods (owner-matched), for the autoscaler's demand."""
+        return self.store.owned_pods(key, "RouterDeployment")
+
     # --- one reconcile ------------------------------------------------------------------------
 
     async def reconcile(self, key: Key) -> float | None:

@@ -12,7 +12,8 @@ at the time it is asked.
   `owned_child(child_id, key)`: only when it carries the model's owner reference.
 - `owned_pods(key)`: pods whose controller is a ReplicaSet of the model's own Deployment (owner
   references, as the Deployment controller sets them): labels alone can be copied by any pod,
-  which would then be counted and have its /ready read.
+  which would then be counted and have its /ready read. The router's pods (the same instance
+  label) likewise, through its own Deployment.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ class Store:
             return None
         return child
 
-    def owned_pods(self, key: Key) -> dict[str, dict[str, Any]]:
-        """The model's pods by name: those a ReplicaSet of its own Deployment controls."""
-        deployment = self.owned_child("Deployment", key)
+    def owned_pods(self, key: Key, deployment_id: str = "Deployment") -> dict[str, dict[str, Any]]:
+        """The model's pods by name: those a ReplicaSet of its own Deployment controls (of its
+        runtime, or with `deployment_id` "RouterDeployment", of its router)."""
+        deployment = self.owned_child(deployment_id, key)
         pods = self.pods.get(key, {})
         if deployment is None or not pods:
             return {}
