@@ -37,6 +37,8 @@ WATCHED: tuple[tuple[str, ...], ...] = (
     ("v1", "serviceaccounts"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    # routing mode inferencePool (a cluster without the CRD has none to watch)
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
     # pods are matched to models through their ReplicaSet's owner (the model's Deployment)
     ("apps", "v1", "replicasets"),
     ("v1", "pods"),

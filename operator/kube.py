@@ -40,6 +40,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),

@@ -5,11 +5,12 @@ limits, a read-only model volume, a locked-down security context, a zero-downtim
 default, SIGTERM timings and grace period in step with the readiness probe), a Service (port
 8000, named http: the model's endpoint), when more than one replica is asked for, a
 PodDisruptionBudget, and in routing mode `router` (the default) the model's router
-(`router_manifests.py`), which the Service then selects instead of the runtime pods. Each is
-owned by the model (controller owner reference), so deleting the model garbage-collects them.
-When autoscaling is on the Deployment carries no `replicas`: the reconciler sets it through the
-Deployment's scale subresource instead, so that the applied object never fights the scaling
-writer over that one field.
+(`router_manifests.py`), which the Service then selects instead of the runtime pods; in mode
+`inferencePool` an InferencePool of the runtime pods (`render_inference_pool`) beside the plain
+Service. Each is owned by the model (controller owner reference), so deleting the model garbage-
+collects them. When autoscaling is on the Deployment carries no `replicas`: the reconciler sets
+it through the Deployment's scale subresource instead, so that the applied object never fights
+the scaling writer over that one field.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ CHILDREN: dict[str, tuple[str, str]] = {
     "RouterRole": ("Role", "-router"),
     "RouterRoleBinding": ("RoleBinding", "-router"),
     "RouterDeployment": ("Deployment", "-router"),
+    "InferencePool": ("InferencePool", ""),
 }
 CHILD_IDS = tuple(CHILDREN)
 
@@ -175,6 +177,8 @@ def render(model: Mapping[str, Any], config: OperatorSettings) -> list[Manifest]
         manifests.append(render_pdb(model))
     if spec.routing.mode == "router":
         manifests.extend(render_router(model, spec, config))
+    elif spec.routing.mode == "inferencePool":
+        manifests.append(render_inference_pool(model, spec))
     return manifests
 
 
@@ -474,4 +478,27 @@ def render_pdb(model: Mapping[str, Any]) -> Manifest:
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(model),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def render_inference_pool(model: Mapping[str, Any], spec: InferenceModelSpec) -> Manifest:
+    """Routing mode inferencePool: a Gateway API Inference Extension InferencePool of the
+    model's runtime pods (their API port), for a gateway and its endpoint picker, which reads
+    the runtime's vllm:* metrics (`vllm:cache_config_info` included)."""
+    name = model["metadata"]["name"]
+    pool: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        "targetPorts": [{"number": PORT}],
+    }
+    picker = spec.routing.endpoint_picker
+    if picker is not None:
+        pool["endpointPickerRef"] = {"name": picker.name, "port": {"number": picker.port}}
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(model),
+        "spec": pool,
     }

@@ -104,7 +104,9 @@ def scale_target(spec: InferenceModelSpec, deployment: Mapping[str, Any] | None)
 
 NOT_OWNED_RETRY_S = 30.0
 GC_WAIT_RETRY_S = 2.0
-FAILED_REASONS = ("InvalidSpec", "NotOwned")
+#: APINotInstalled: routing mode inferencePool on a cluster without the InferencePool CRD
+FAILED_REASONS = ("InvalidSpec", "NotOwned", "APINotInstalled")
+MISSING_API_RETRY_S = 30.0
 
 
 def _generation(obj: Mapping[str, Any]) -> int:

@@ -16,7 +16,9 @@ without its Deployment is urgent). `reconcile(key)` then:
 3. carries the plan out with the one `KubeApi`: server-side apply (field manager `kubeinfer`),
    the Deployment's scale subresource, deletes, the status (server-side apply on /status),
    events (best effort). An apply the API server rejects (400/422) makes the model Failed
-   (`plan.plan_failure`), and nothing is raised: retrying cannot help.
+   (`plan.plan_failure`), and nothing is raised: retrying cannot help. So does an
+   InferencePool the API server does not serve (its CRD is not installed), looked at again
+   every `plan.MISSING_API_RETRY_S`.
 
 A transient API error propagates: the queue retries the key with backoff. Nothing is kept
 between reconciles but what was observed (the watches' objects, the pods' last /ready), so
@@ -36,9 +38,17 @@ from typing import Any
 import httpx
 
 from kubeinfer.operator.kube import KubeApi, NotFoundError, RejectedError, TransientApiError
-from kubeinfer.operator.manifests import CHILD_IDS, KIND, PROBE_PORT, child_id, child_ref, render
+from kubeinfer.operator.manifests import (
+    CHILD_IDS,
+    INFERENCE_POOL_API,
+    KIND,
+    PROBE_PORT,
+    child_id,
+    child_ref,
+    render,
+)
 from kubeinfer.operator.metrics import OperatorMetrics
-from kubeinfer.operator.plan import plan, plan_failure
+from kubeinfer.operator.plan import MISSING_API_RETRY_S, plan, plan_failure
 from kubeinfer.operator.plan_types import Event, Failure, Plan, Snapshot
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
@@ -128,6 +138,18 @@ class Reconciler:
                 await self.execute(key, snapshot, done)
             except RejectedError as exc:
                 done = plan_failure(snapshot, Failure("InvalidSpec", str(exc)))
+                await self.execute(key, snapshot, done)
+            except NotFoundError as exc:
+                if not any(m["kind"] == "InferencePool" for m in done.applies):
+                    raise
+                # the group is not served: the CRD is missing, not the model (looked at again)
+                failure = Failure(
+                    "APINotInstalled",
+                    f"routing mode inferencePool needs the InferencePool API "
+                    f"({INFERENCE_POOL_API}, from the Gateway API Inference Extension) "
+                    f"installed in the cluster: {exc}",
+                )
+                done = plan_failure(snapshot, failure, requeue_after=MISSING_API_RETRY_S)
                 await self.execute(key, snapshot, done)
         except TransientApiError:
             self.metrics.errors.labels("transient").inc()

@@ -112,6 +112,14 @@ class RolloutSpec(_Spec):
 RoutingMode = Literal["router", "service", "inferencePool"]
 
 
+class EndpointPickerRef(_Spec):
+    """spec.routing.endpointPicker: the Service of the endpoint picker (EPP) a gateway asks
+    where to send each request of the model's InferencePool (mode inferencePool)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    port: int = Field(9002, ge=1, le=65535)
+
+
 class RoutingSpec(_Spec):
     """spec.routing: what the model's endpoint (its Service) points at.
 
@@ -122,6 +130,7 @@ class RoutingSpec(_Spec):
 
     mode: RoutingMode = "router"
     replicas: int = Field(1, ge=1, le=16)
+    endpoint_picker: EndpointPickerRef | None = Field(None, alias="endpointPicker")
     max_held_requests: int = Field(256, alias="maxHeldRequests", ge=0, le=100_000)
     max_hold_seconds: int = Field(300, alias="maxHoldSeconds", ge=1, le=3600)
 

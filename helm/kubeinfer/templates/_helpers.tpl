@@ -110,6 +110,10 @@ from, the Deployment scale it sets when autoscaling, and events. No wildcards.
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, delete]
+# routing mode inferencePool: the model's InferencePool (Gateway API Inference Extension)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [replicasets]
   verbs: [get, list, watch]
