@@ -8,6 +8,7 @@ Every connection goes to a 127.x pod IP (never a Service's ClusterIP); every wai
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,31 @@ def test_requests_sharing_a_prefix_land_on_the_same_pod(routed: Cluster) -> None
     assert len(set(served_by)) == 1, served_by
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert "kubeinfer_router_" in metrics
+
+
+def test_a_pod_leaving_stops_receiving_traffic_without_failing_requests(routed: Cluster) -> None:
+    """Scaled to 1, one pod terminates: its /ready fails within the shutdown delay, the router
+    drops it from its next listing, and requests sent meanwhile all succeed on the pods it
+    still routes to."""
+    c = routed
+    url = router_url(c)
+    before = {p["metadata"]["name"] for p in pods(c, RUNTIME) if is_ready(p)}
+    assert len(before) == 2
+    c.dev.kubectl("scale", "im", NAME, "-n", c.ns, "--replicas", "1")
+    codes, served_by = [], []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(codes) < 12:  # through the pod's whole drain
+        response = chat(url, f"Is parcel {len(codes)} late?")
+        codes.append(response.status_code)
+        served_by.append(response.headers.get("x-kubeinfer-pod"))
+    assert codes and set(codes) == {200}, codes
+    (remaining,) = wait_for(
+        lambda: (names := {p["metadata"]["name"] for p in pods(c, RUNTIME)}) and len(names) == 1
+        and names,
+        timeout_s=90, what="one runtime pod left",
+    )  # fmt: skip
+    for i in range(3):
+        response = chat(url, f"And parcel {i}?")
+        assert response.status_code == 200
+        assert response.headers["x-kubeinfer-pod"] == remaining
+    assert set(served_by) <= before
