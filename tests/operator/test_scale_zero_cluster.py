@@ -120,8 +120,13 @@ def test_an_idle_model_scales_back_to_zero(zero: Cluster) -> None:
              what="spec.replicas back to 0")  # fmt: skip
     assert time.monotonic() - started >= IDLE_S - 10  # not before the idle period (less the
     # time the first test's last request already counts)
-    history = c.model(NAME)["status"]["scalingHistory"]
-    assert history[-1]["to"] == 0 and "to zero" in history[-1]["reason"]
+    # the autoscaler writes spec.replicas, then its status: wait for that too (CI once read the
+    # status between both writes)
+    last = wait_for(
+        lambda: (h := c.model(NAME)["status"].get("scalingHistory")) and h[-1]["to"] == 0 and h[-1],
+        timeout_s=10, what="the scale to zero in scalingHistory",
+    )  # fmt: skip
+    assert "to zero" in last["reason"]
     dep = wait_for(lambda: (d := c.get("Deployment", NAME)) and d["spec"]["replicas"] == 0 and d,
                    timeout_s=30, what="the Deployment at 0")  # fmt: skip
     assert dep["spec"]["replicas"] == 0
