@@ -13,7 +13,9 @@ apply under its own field manager (other conditions are left to their owners); e
 emits one event ("scaled 1 -> 3: generation tokens/s 5,400 over target 1,000 per replica").
 A failing API call or scrape never stops the loop: it is logged and the next tick retries.
 Every API call goes through the operator's one `KubeApi` (a timeout on each), the pods come
-from the reconciler's owner-matched watch, spec.autoscaling is read with the spec's own
+from the reconciler's owner-matched watch (the router's pods too: with routing mode router
+their held, in-flight and finished requests feed `decide`, which scales from and to zero on
+them, `router_scrape.py`), spec.autoscaling is read with the spec's own
 typed model and the names are the manifests' constants.
 """
 
@@ -36,11 +38,12 @@ from kubeinfer.operator.autoscale_types import (
     PodSample,
     PodTarget,
     Policy,
+    RouterDemand,
     ScalerState,
 )
 from kubeinfer.operator.autoscaler import decide
 from kubeinfer.operator.kube import KubeApi
-from kubeinfer.operator.manifests import API_VERSION, KIND, PROBE_PORT, selector_string
+from kubeinfer.operator.manifests import API_VERSION, KIND, PORT, PROBE_PORT, selector_string
 from kubeinfer.operator.scrape import SampleStore
 from kubeinfer.operator.spec import AutoscalingSpec, InvalidSpecError
 
@@ -82,6 +85,7 @@ def settings_from_spec(spec: Mapping[str, Any]) -> AutoscalingSettings:
         stable_window_s=float(a.stable_window_seconds),
         panic_window_s=float(a.panic_window_seconds),
         scale_down_delay_s=float(a.scale_down_delay_seconds),
+        scale_to_zero_after_s=float(a.scale_to_zero_after_seconds),
     )
     return AutoscalingSettings(
         is_enabled=a.enabled,
@@ -115,6 +119,8 @@ class AutoscalerApi(Protocol):
 
 
 Scrape = Callable[[list[PodTarget]], Awaitable[list[PodSample]]]
+#: The model's demand as its router pods see it (None: the model has no router).
+ScrapeRouter = Callable[[], Awaitable[RouterDemand | None]]
 
 
 @dataclass
@@ -166,8 +172,10 @@ async def autoscale_tick(
     memory: AutoscalerMemory,
     now: float,
     wall_now: dt.datetime,
+    scrape_router: ScrapeRouter | None = None,
 ) -> Decision:
-    """One round: list pods, scrape the ready ones, decide, scale if needed, write status."""
+    """One round: list pods, scrape the ready ones (and the router's), decide, scale if
+    needed, write status."""
     settings = settings_from_spec(spec)
     current = int(spec.get("replicas", 1))
     pods = await api.list_pods(selector)
@@ -191,7 +199,9 @@ async def autoscale_tick(
         )
         for metric, target in settings.targets
     )
-    decision = decide(policy, Observation(now, current, len(ready), readings), memory.state)
+    router = await scrape_router() if scrape_router is not None else None
+    observation = Observation(now, current, len(ready), readings, router)
+    decision = decide(policy, observation, memory.state)
     memory.state = decision.state
     stamp = _iso(wall_now)
     if decision.replicas != current:
@@ -260,6 +270,7 @@ async def run_autoscaler(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    scrape_router: ScrapeRouter | None = None,
 ) -> None:
     """Tick every scrapeIntervalSeconds until stopped or autoscaling is turned off."""
     while not is_stopped():
@@ -276,10 +287,26 @@ async def run_autoscaler(
                 memory=memory,
                 now=clock(),
                 wall_now=wall_clock(),
+                scrape_router=scrape_router,
             )
         except Exception:  # noqa: BLE001 - one bad round (API hiccup) must not end scaling
             logger.exception("autoscaler tick failed; retrying next interval")
         await sleep(settings.scrape_interval_s)
+
+
+def pod_infos(pods: Iterable[Mapping[str, Any]]) -> list[PodInfo]:
+    """Pods (API JSON) as PodInfo, terminating ones left out (they are no capacity)."""
+    out = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        is_ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        out.append(PodInfo(pod["metadata"]["name"], status.get("podIP") or "", is_ready))
+    return out
 
 
 class KubeAutoscalerApi:
@@ -299,17 +326,7 @@ class KubeAutoscalerApi:
         self.namespace, self.name, self.uid = namespace, name, uid
 
     async def list_pods(self, selector: str) -> list[PodInfo]:
-        out = []
-        for pod in self._pods():
-            status = pod.get("status") or {}
-            if pod["metadata"].get("deletionTimestamp"):
-                continue  # terminating pods are no capacity
-            is_ready = any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or []
-            )
-            out.append(PodInfo(pod["metadata"]["name"], status.get("podIP") or "", is_ready))
-        return out
+        return pod_infos(self._pods())
 
     async def scale(self, replicas: int) -> None:
         await self.api.scale_model(self.namespace, self.name, replicas)
@@ -346,6 +363,7 @@ async def autoscale_daemon(
     """
     import httpx
 
+    from kubeinfer.operator.router_scrape import scrape_routers
     from kubeinfer.operator.scrape import scrape_pods
 
     reconciler = memo["reconciler"]
@@ -366,6 +384,17 @@ async def autoscale_daemon(
         async def scrape(targets: list[PodTarget]) -> list[PodSample]:
             return await scrape_pods(client, targets, timeout_s=timeout_s)
 
+        async def scrape_router() -> RouterDemand | None:
+            if ((spec.get("routing") or {}).get("mode") or "router") != "router":
+                return None
+            pods = pod_infos(reconciler.owned_router_pods((namespace, name)).values())
+            targets = [
+                PodTarget(p.name, f"http://{p.ip}:{PORT}/metrics")
+                for p in pods
+                if p.is_ready and p.ip
+            ]
+            return await scrape_routers(client, targets, timeout_s=timeout_s)
+
         await run_autoscaler(
             read_spec=lambda: spec,
             read_selector=lambda: (status or {}).get("selector") or selector_string(name),
@@ -373,4 +402,5 @@ async def autoscale_daemon(
             scrape=scrape,
             memory=memory,
             is_stopped=lambda: bool(stopped),
+            scrape_router=scrape_router,
         )

@@ -55,6 +55,8 @@ class Policy:
     max_scale_up_rate: float = 2.0
     # ... and shrinks to no less than replicas / this.
     max_scale_down_rate: float = 2.0
+    # With min_replicas 0: this long without a request at the router scales to zero.
+    scale_to_zero_after_s: float = 300.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,17 +78,35 @@ class MetricReading:
 
 
 @dataclass(slots=True, frozen=True)
+class RouterDemand:
+    """The model's router pods' view of demand at one tick, summed over them.
+
+    `num_held` requests wait for a first ready replica, `num_in_flight` are at the pods,
+    `num_requests` is the routers' finished-requests counter (it moving between ticks means
+    requests came and went in between). `is_complete` is False when a router pod's scrape
+    failed (or none was ready): the sums then miss demand, which is never read as none.
+    """
+
+    num_held: int
+    num_in_flight: int
+    num_requests: float
+    is_complete: bool
+
+
+@dataclass(slots=True, frozen=True)
 class Observation:
     """What the daemon knows at one tick.
 
     `current_replicas` is spec.replicas: every pod asked for, ready or still starting, is
-    capacity already on its way. `num_ready` counts the ready (serving) pods.
+    capacity already on its way. `num_ready` counts the ready (serving) pods. `router` is the
+    routers' demand (None: the model has no router, or none could be read).
     """
 
     now: float
     current_replicas: int
     num_ready: int
     readings: tuple[MetricReading, ...]
+    router: RouterDemand | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -99,6 +119,10 @@ class ScalerState:
 
     recommendations: tuple[tuple[float, int], ...] = ()
     panic_until: float | None = None
+    #: when a request was last seen at the router (None: not yet looked), and the routers'
+    #: request counter then, for the scale to zero
+    last_request_at: float | None = None
+    num_router_requests: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,10 +44,18 @@ Semantics (each one is pinned by `tests/operator/test_autoscaler.py`):
   names the reason.
 - **Clamp.** The result is clamped to [minReplicas, maxReplicas] (immediately, whatever the
   rate limits); when the clamp cut the recommendation, `is_limited` says so (ScalingLimited).
+- **Zero (minReplicas 0 only; the router's demand, `Observation.router`).** At 0 replicas
+  the metrics say nothing (there are no pods): requests held at the router, or requests it
+  answered since the last tick, scale to 1 at once (no window, no delay: a client is
+  waiting); none, and 0 stays. Above 0 the metrics decide as above, never below 1, until the
+  router has seen no request for `scale_to_zero_after_s` (none held, none in flight, its
+  request counter unmoved): then 0. A router that could not be read is not idle, and a fresh
+  state has just seen a request, so a restarted daemon waits a whole idle period again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -156,6 +164,71 @@ def _highest(recs: list[_Recommendation]) -> _Recommendation:
 
 def decide(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
     """The replicas to ask for now, why, and the state for the next tick (see module doc)."""
+    if policy.min_replicas > 0:
+        return _decide_on_metrics(policy, obs, state)
+    last_request_at, num_requests = _last_request(obs, state)
+    decision = _to_or_from_zero(policy, obs, state, last_request_at)
+    if decision is None:
+        decision = _decide_on_metrics(dataclasses.replace(policy, min_replicas=1), obs, state)
+    new_state = dataclasses.replace(
+        decision.state, last_request_at=last_request_at, num_router_requests=num_requests
+    )
+    return dataclasses.replace(decision, state=new_state)
+
+
+def _last_request(obs: Observation, state: ScalerState) -> tuple[float, float | None]:
+    """(when a request was last seen at the router, its request counter now)."""
+    router = obs.router
+    if router is None or not router.is_complete or state.last_request_at is None:
+        # demand that could not be read is never idleness; a fresh state starts the count
+        return obs.now, router.num_requests if router is not None else None
+    is_moved = router.num_requests != state.num_router_requests
+    if router.num_held or router.num_in_flight or is_moved:
+        return obs.now, router.num_requests
+    return state.last_request_at, router.num_requests
+
+
+def _zero_decision(replicas: int, reason: str, state: ScalerState) -> Decision:
+    return Decision(
+        replicas=replicas,
+        reason=reason,
+        recommended=replicas,
+        is_limited=False,
+        limited_reason="",
+        is_panicking=False,
+        metric=None,
+        state=state,
+    )
+
+
+def _to_or_from_zero(
+    policy: Policy, obs: Observation, state: ScalerState, last_request_at: float
+) -> Decision | None:
+    """The decision at or to zero replicas (module doc); None: the metrics decide."""
+    router = obs.router
+    if obs.current_replicas == 0:
+        num_held = router.num_held if router is not None else 0
+        is_answered = (
+            router is not None
+            and state.num_router_requests is not None
+            and router.num_requests != state.num_router_requests
+        )
+        if num_held > 0 or is_answered:
+            what = f"{num_held} requests held" if num_held else "requests answered"
+            return _zero_decision(1, f"from zero: {what} at the router", ScalerState())
+        return _zero_decision(0, "at zero: no requests at the router", state)
+    idle_s = obs.now - last_request_at
+    if idle_s >= policy.scale_to_zero_after_s:
+        reason = (
+            f"to zero: no requests at the router for {idle_s:.0f}s "
+            f"(scaleToZeroAfterSeconds {policy.scale_to_zero_after_s:g})"
+        )
+        return _zero_decision(0, reason, ScalerState())
+    return None
+
+
+def _decide_on_metrics(policy: Policy, obs: Observation, state: ScalerState) -> Decision:
+    """The metrics' decision (every rule of the module doc but the zero one)."""
     current, num_ready, now = obs.current_replicas, obs.num_ready, obs.now
     recs = [recommend_stable(r, current, num_ready, policy.tolerance) for r in obs.readings] or [
         _Recommendation(current, "no metrics", None)

@@ -38,7 +38,8 @@ def render(
     file: Path = typer.Option(..., "--file", "-f", help="An InferenceModel YAML ('-': stdin)."),
     namespace: str = typer.Option("default", "--namespace", "-n"),
 ) -> None:
-    """Print the Deployment, Service (and PDB) the operator would apply, as JSON lines."""
+    """Print what the operator would apply (Deployment, Service, PDB, router or InferencePool),
+    as JSON lines."""
     import yaml
 
     from kubeinfer.operator.manifests import render as render_manifests

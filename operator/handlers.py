@@ -1,13 +1,14 @@
 """kopf wiring: every watch event goes to `Reconciler.observe`, which queues the model's key.
 
 `build_registry(settings)` registers, on a registry of its own (never kopf's global one):
-startup/cleanup/login/probe activities; silent watches (`kopf.on.event`: kopf writes nothing
-to the objects, no annotations, no status) of InferenceModels (created, changed, deleted, and
-every one listed when the operator starts), of their children (Deployments, Services, PDBs),
-of their ReplicaSets and of their pods (children, ReplicaSets and pods by our label); and, for
-models with `spec.autoscaling.enabled`, the autoscaler's per-model daemon from
-`autoscale_daemon.py`, the one handler that makes kopf add a finalizer. What happens then is
-the reconciler's (`reconciler.py`): retries, resync and ordering are its queue's.
+startup/cleanup/login/probe activities; silent watches (`kopf.on.event`: kopf writes nothing to
+the objects, no annotations, no status) of InferenceModels (created, changed, deleted, and every
+one listed when the operator starts), of their children (Deployments, Services, PDBs, and the
+router's ServiceAccounts, Roles and RoleBindings), of their ReplicaSets and of their pods
+(children, ReplicaSets and pods by our label); and, for models with `spec.autoscaling.enabled`,
+the autoscaler's per-model daemon from `autoscale_daemon.py`, the one handler that makes kopf
+add a finalizer. What happens then is the reconciler's (`reconciler.py`): retries, resync and
+ordering are its queue's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ WATCHED: tuple[tuple[str, ...], ...] = (
     ("apps", "v1", "deployments"),
     ("v1", "services"),
     ("policy", "v1", "poddisruptionbudgets"),
+    # the router's (routing mode router)
+    ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    # routing mode inferencePool (a cluster without the CRD has none to watch)
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
     # pods are matched to models through their ReplicaSet's owner (the model's Deployment)
     ("apps", "v1", "replicasets"),
     ("v1", "pods"),

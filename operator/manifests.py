@@ -2,12 +2,15 @@
 
 A Deployment of the runtime (the runtime contract of DESIGN.md: command, POD_IP, probes, GPU
 limits, a read-only model volume, a locked-down security context, a zero-downtime rollout by
-default, SIGTERM timings and grace period in step with the readiness probe), a
-Service (port 8000, named http) and, when more than one replica is asked for, a
-PodDisruptionBudget. Each is owned by the model (controller owner reference), so deleting the
-model garbage-collects them. When autoscaling is on the Deployment carries no `replicas`: the
-reconciler sets it through the Deployment's scale subresource instead, so that the applied
-object never fights the scaling writer over that one field.
+default, SIGTERM timings and grace period in step with the readiness probe), a Service (port
+8000, named http: the model's endpoint), when more than one replica is asked for, a
+PodDisruptionBudget, and in routing mode `router` (the default) the model's router
+(`router_manifests.py`), which the Service then selects instead of the runtime pods; in mode
+`inferencePool` an InferencePool of the runtime pods (`render_inference_pool`) beside the plain
+Service. Each is owned by the model (controller owner reference), so deleting the model garbage-
+collects them. When autoscaling is on the Deployment carries no `replicas`: the reconciler sets
+it through the Deployment's scale subresource instead, so that the applied object never fights
+the scaling writer over that one field.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MODELS_ROOT = "/models"
 RUNTIME_CONTAINER = "runtime"
 MANAGED_BY = "kubeinfer"
 APP_NAME = "kubeinfer-runtime"
+ROUTER_APP_NAME = "kubeinfer-router"
 #: Label keys; the selector is APP_NAME + the model's name.
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
@@ -85,6 +89,12 @@ def selector_labels(name: str) -> dict[str, str]:
     return {NAME_LABEL: APP_NAME, INSTANCE_LABEL: name}
 
 
+def router_selector_labels(name: str) -> dict[str, str]:
+    """The router pods' selector: the model's instance, the router's app name (never the
+    runtime's, so neither Deployment's selector matches the other's pods)."""
+    return {NAME_LABEL: ROUTER_APP_NAME, INSTANCE_LABEL: name}
+
+
 def selector_string(name: str) -> str:
     """The pods' selector as `kubectl get -l` and the scale subresource write it."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
@@ -123,14 +133,52 @@ def wants_pdb(spec: InferenceModelSpec) -> bool:
     return spec.replicas > 1
 
 
+#: Every child the operator may render, by id: id -> (kind, suffix of the model's name). The
+#: ids key the reconciler's snapshot and plan (a kind alone no longer names one child: the
+#: router has a Deployment of its own).
+CHILDREN: dict[str, tuple[str, str]] = {
+    "Deployment": ("Deployment", ""),
+    "Service": ("Service", ""),
+    "PodDisruptionBudget": ("PodDisruptionBudget", ""),
+    "RouterServiceAccount": ("ServiceAccount", "-router"),
+    "RouterRole": ("Role", "-router"),
+    "RouterRoleBinding": ("RoleBinding", "-router"),
+    "RouterDeployment": ("Deployment", "-router"),
+    "InferencePool": ("InferencePool", ""),
+}
+CHILD_IDS = tuple(CHILDREN)
+
+
+def child_ref(child: str, model_name: str) -> tuple[str, str]:
+    """(kind, object name) of the child `child` of the model `model_name`."""
+    kind, suffix = CHILDREN[child]
+    return kind, model_name + suffix
+
+
+def child_id(manifest: Mapping[str, Any], model_name: str) -> str:
+    """The id of a rendered child of the model `model_name`."""
+    kind, name = manifest["kind"], manifest["metadata"]["name"]
+    for child, (child_kind, suffix) in CHILDREN.items():
+        if child_kind == kind and name == model_name + suffix:
+            return child
+    raise KeyError(f"{kind} {name} is not a child of {model_name}")
+
+
 def render(model: Mapping[str, Any], config: OperatorSettings) -> list[Manifest]:
     """The children of `model` (an InferenceModel as the API returns it); InvalidSpecError
     when its spec cannot be served."""
+    # router_manifests builds on this module's helpers: imported here, not at the top
+    from kubeinfer.operator.router_manifests import render_router
+
     spec = parse_spec(model.get("spec") or {})
     check_managed(spec)
-    manifests = [render_deployment(model, spec, config), render_service(model)]
+    manifests = [render_deployment(model, spec, config), render_service(model, spec)]
     if wants_pdb(spec):
         manifests.append(render_pdb(model))
+    if spec.routing.mode == "router":
+        manifests.extend(render_router(model, spec, config))
+    elif spec.routing.mode == "inferencePool":
+        manifests.append(render_inference_pool(model, spec))
     return manifests
 
 
@@ -407,15 +455,17 @@ def _scheduling(spec: InferenceModelSpec) -> dict[str, Any]:
     return out
 
 
-def render_service(model: Mapping[str, Any]) -> Manifest:
+def render_service(model: Mapping[str, Any], spec: InferenceModelSpec) -> Manifest:
+    """The model's endpoint: its router pods in routing mode `router`, else its runtime pods."""
     name = model["metadata"]["name"]
+    is_routed = spec.routing.mode == "router"
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(model),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": router_selector_labels(name) if is_routed else selector_labels(name),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -428,4 +478,27 @@ def render_pdb(model: Mapping[str, Any]) -> Manifest:
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(model),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+
+
+def render_inference_pool(model: Mapping[str, Any], spec: InferenceModelSpec) -> Manifest:
+    """Routing mode inferencePool: a Gateway API Inference Extension InferencePool of the
+    model's runtime pods (their API port), for a gateway and its endpoint picker, which reads
+    the runtime's vllm:* metrics (`vllm:cache_config_info` included)."""
+    name = model["metadata"]["name"]
+    pool: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name)},
+        "targetPorts": [{"number": PORT}],
+    }
+    picker = spec.routing.endpoint_picker
+    if picker is not None:
+        pool["endpointPickerRef"] = {"name": picker.name, "port": {"number": picker.port}}
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(model),
+        "spec": pool,
     }

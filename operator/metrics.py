@@ -36,7 +36,8 @@ class OperatorMetrics:
         )
         self.drift_repairs = Counter(
             "kubeinfer_operator_drift_repairs",
-            "Children re-applied because they were deleted or edited, by kind.",
+            "Children re-applied because they were deleted or edited, by child id "
+            "(manifests.CHILDREN).",
             ["kind"],
             registry=r,
         )

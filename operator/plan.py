@@ -29,13 +29,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubeinfer.operator.drift import first_difference
-from kubeinfer.operator.manifests import KIND, Manifest, render
+from kubeinfer.operator.manifests import CHILD_IDS, KIND, Manifest, child_id, child_ref, render
 from kubeinfer.operator.plan_types import ChildPlan, Event, Failure, Plan, Snapshot
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InferenceModelSpec, InvalidSpecError, parse_spec
 from kubeinfer.operator.status import compute_status, is_same_status
-
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
 
 
 def is_owned(obj: Mapping[str, Any], model: Mapping[str, Any]) -> bool:
@@ -44,11 +42,12 @@ def is_owned(obj: Mapping[str, Any], model: Mapping[str, Any]) -> bool:
 
 
 def ownership_problem(
-    model: Mapping[str, Any], kind: str, live: Mapping[str, Any] | None
+    model: Mapping[str, Any], child: str, live: Mapping[str, Any] | None
 ) -> ChildPlan | None:
     """None when `live` (an object of the child's name) may be applied over."""
     if live is None or is_owned(live, model):
         return None
+    kind = child_ref(child, model["metadata"]["name"])[0]
     meta = live["metadata"]
     ns, name = meta.get("namespace"), meta.get("name")
     owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
@@ -72,21 +71,24 @@ def plan_children(
     lives: Mapping[str, Mapping[str, Any] | None],
     settings: OperatorSettings,
 ) -> ChildPlan:
-    """The plan for `model` given `lives` (kind -> the object of the child's name, None when
-    there is none; every rendered kind must be present)."""
+    """The plan for `model` given `lives` (child id -> the object of the child's name, None
+    when there is none; every rendered child must be present)."""
     try:
         manifests = render(model, settings)
     except InvalidSpecError as exc:
         return ChildPlan(failure=Failure("InvalidSpec", str(exc)))
+    name = model["metadata"]["name"]
     for manifest in manifests:
-        kind = manifest["kind"]
-        if (problem := ownership_problem(model, kind, lives.get(kind))) is not None:
+        child = child_id(manifest, name)
+        if (problem := ownership_problem(model, child, lives.get(child))) is not None:
             return problem
-    rendered = {m["kind"] for m in manifests}
+    rendered = {child_id(m, name) for m in manifests}
     deletes = [
-        kind
-        for kind in CHILD_KINDS
-        if kind not in rendered and (live := lives.get(kind)) is not None and is_owned(live, model)
+        child
+        for child in CHILD_IDS
+        if child not in rendered
+        and (live := lives.get(child)) is not None
+        and is_owned(live, model)
     ]
     return ChildPlan(applies=manifests, deletes=deletes)
 
@@ -102,7 +104,9 @@ def scale_target(spec: InferenceModelSpec, deployment: Mapping[str, Any] | None)
 
 NOT_OWNED_RETRY_S = 30.0
 GC_WAIT_RETRY_S = 2.0
-FAILED_REASONS = ("InvalidSpec", "NotOwned")
+#: APINotInstalled: routing mode inferencePool on a cluster without the InferencePool CRD
+FAILED_REASONS = ("InvalidSpec", "NotOwned", "APINotInstalled")
+MISSING_API_RETRY_S = 30.0
 
 
 def _generation(obj: Mapping[str, Any]) -> int:
@@ -128,8 +132,9 @@ def is_observed(deployment: Mapping[str, Any]) -> bool:
     return observed is not None and int(observed) >= _generation(deployment)
 
 
-def _drift(kind: str, name: str, desired: Manifest, live: Mapping[str, Any] | None) -> str | None:
+def _drift(desired: Manifest, live: Mapping[str, Any] | None) -> str | None:
     """Why `live` is not what was applied (None: it is)."""
+    kind, name = desired["kind"], desired["metadata"]["name"]
     if live is None:
         return f"{kind} {name} was deleted"
     where = first_difference(desired, live)
@@ -147,33 +152,36 @@ def plan(snapshot: Snapshot, settings: OperatorSettings) -> Plan:
         return Plan(requeue_after=GC_WAIT_RETRY_S)
     name = model["metadata"]["name"]
     spec = parse_spec(model.get("spec") or {})  # render() accepted it
+    ids = [child_id(m, name) for m in children.applies]
     drifts = {
-        m["kind"]: why
-        for m in children.applies
-        if m["kind"] in lives and (why := _drift(m["kind"], name, m, lives[m["kind"]]))
+        child: why
+        for child, m in zip(ids, children.applies, strict=True)
+        if child in lives and (why := _drift(m, lives[child]))
     }
-    applies = [m for m in children.applies if m["kind"] in drifts]
+    applies = [m for child, m in zip(ids, children.applies, strict=True) if child in drifts]
     deployment = lives.get("Deployment")
     scale = scale_target(spec, deployment) if "Deployment" in lives else None
     repairs: list[str] = []
     events: list[Event] = []
     if is_generation_applied(model):  # the generation was applied: what changed is drift
-        whys = [drifts[m["kind"]] for m in applies]
+        repairs = [child_id(m, name) for m in applies]
+        whys = [drifts[child] for child in repairs]
         if scale is not None and deployment is not None:
             whys.append(f"Deployment {name} has {deployment['spec'].get('replicas')} replicas")
-        repairs = [m["kind"] for m in applies] + (["Deployment"] if scale is not None else [])
+        repairs += ["Deployment"] if scale is not None else []
         if whys:
-            what = ", ".join(dict.fromkeys(f"{kind} {name}" for kind in repairs))
+            refs = (child_ref(child, name) for child in repairs)
+            what = ", ".join(dict.fromkeys(f"{kind} {obj}" for kind, obj in refs))
             events.append(Event("Normal", "DriftRepaired", f"{'; '.join(whys)}; re-applied {what}"))
-    if any(m["kind"] not in lives for m in children.applies):  # a first pass: the rest next
+    if any(child not in lives for child in ids):  # a first pass: the rest next
         return Plan(applies=applies, scale=scale, events=events, repairs=repairs,
                     requeue_after=0.0)  # fmt: skip
     status = None
     if "Deployment" not in drifts and scale is None and is_observed(deployment or {}):
         status = _status(snapshot, deployment, failure=None)
     if status is not None and not is_generation_applied(model):
-        kinds = ", ".join(m["kind"] for m in children.applies)
-        events.append(Event("Normal", "Applied", f"generation {_generation(model)}: {kinds}"))
+        what = ", ".join(ids)
+        events.append(Event("Normal", "Applied", f"generation {_generation(model)}: {what}"))
     loading = any(p.is_running and not p.is_ready for p in snapshot.pods)
     return Plan(
         applies=applies,

@@ -12,7 +12,7 @@ from kubeinfer.operator.status import PodView
 
 @dataclass(slots=True, frozen=True)
 class Failure:
-    reason: str  # the Ready condition's reason: InvalidSpec | NotOwned
+    reason: str  # the Ready condition's reason: InvalidSpec | NotOwned | APINotInstalled
     message: str
 
 

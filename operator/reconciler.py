@@ -5,18 +5,20 @@ the `Store` (what the watches show) and the model's key (namespace, name) into t
 (deduplicated, one reconcile per key at a time, retries with backoff, periodic resync; a model
 without its Deployment is urgent). `reconcile(key)` then:
 
-1. reads a `Snapshot`: the model and each child name as the watches show them; a rendered
-   child the watches do not show is read with a GET (the watches only see objects with our
-   labels, and an object of that name may be someone else's). When there is no Deployment
-   only its name is read: the rest waits for the next, non-urgent pass, so a burst of new
-   models gets its Deployments first. The model's pods (owner-matched) come with their
-   runtime's last /ready, read (bounded) from each running pod that is not ready yet, at most
-   once every `pod_probe_interval_s` (while one loads, the plan asks to look again then);
+1. reads a `Snapshot`: the model and each child (`manifests.CHILDREN`) as the watches show them; a
+   rendered child the watches do not show is read with a GET (the watches only see objects with our
+   labels, and an object of that name may be someone else's). When there is no Deployment only its
+   name is read: the rest waits for the next, non-urgent pass, so a burst of new models gets its
+   Deployments first. The model's pods (owner-matched) come with their runtime's last /ready, read
+   (bounded) from each running pod that is not ready yet, at most once every `pod_probe_interval_s`
+   (while one loads, the plan asks to look again then);
 2. calls the pure `plan.plan(snapshot)`;
 3. carries the plan out with the one `KubeApi`: server-side apply (field manager `kubeinfer`),
    the Deployment's scale subresource, deletes, the status (server-side apply on /status),
    events (best effort). An apply the API server rejects (400/422) makes the model Failed
-   (`plan.plan_failure`), and nothing is raised: retrying cannot help.
+   (`plan.plan_failure`), and nothing is raised: retrying cannot help. So does an
+   InferencePool the API server does not serve (its CRD is not installed), looked at again
+   every `plan.MISSING_API_RETRY_S`.
 
 A transient API error propagates: the queue retries the key with backoff. Nothing is kept
 between reconciles but what was observed (the watches' objects, the pods' last /ready), so
@@ -36,9 +38,17 @@ from typing import Any
 import httpx
 
 from kubeinfer.operator.kube import KubeApi, NotFoundError, RejectedError, TransientApiError
-from kubeinfer.operator.manifests import KIND, PROBE_PORT, render
+from kubeinfer.operator.manifests import (
+    CHILD_IDS,
+    INFERENCE_POOL_API,
+    KIND,
+    PROBE_PORT,
+    child_id,
+    child_ref,
+    render,
+)
 from kubeinfer.operator.metrics import OperatorMetrics
-from kubeinfer.operator.plan import CHILD_KINDS, plan, plan_failure
+from kubeinfer.operator.plan import MISSING_API_RETRY_S, plan, plan_failure
 from kubeinfer.operator.plan_types import Event, Failure, Plan, Snapshot
 from kubeinfer.operator.readiness import ReadyReport, read_ready
 from kubeinfer.operator.settings import OperatorSettings
@@ -109,6 +119,10 @@ class Reconciler:
         """The model's pods (owner-matched), for the autoscaler."""
         return self.store.owned_pods(key)
 
+    def owned_router_pods(self, key: Key) -> dict[str, dict[str, Any]]:
+        """The model's router pods (owner-matched), for the autoscaler's demand."""
+        return self.store.owned_pods(key, "RouterDeployment")
+
     # --- one reconcile ------------------------------------------------------------------------
 
     async def reconcile(self, key: Key) -> float | None:
@@ -124,6 +138,18 @@ class Reconciler:
                 await self.execute(key, snapshot, done)
             except RejectedError as exc:
                 done = plan_failure(snapshot, Failure("InvalidSpec", str(exc)))
+                await self.execute(key, snapshot, done)
+            except NotFoundError as exc:
+                if not any(m["kind"] == "InferencePool" for m in done.applies):
+                    raise
+                # the group is not served: the CRD is missing, not the model (looked at again)
+                failure = Failure(
+                    "APINotInstalled",
+                    f"routing mode inferencePool needs the InferencePool API "
+                    f"({INFERENCE_POOL_API}, from the Gateway API Inference Extension) "
+                    f"installed in the cluster: {exc}",
+                )
+                done = plan_failure(snapshot, failure, requeue_after=MISSING_API_RETRY_S)
                 await self.execute(key, snapshot, done)
         except TransientApiError:
             self.metrics.errors.labels("transient").inc()
@@ -145,17 +171,19 @@ class Reconciler:
     async def snapshot(self, key: Key, model: Mapping[str, Any]) -> Snapshot:
         ns, name = key
         children: dict[str, Mapping[str, Any] | None] = {
-            kind: child for kind in CHILD_KINDS if (child := self.store.child(kind, key))
+            cid: child for cid in CHILD_IDS if (child := self.store.child(cid, key))
         }
         if "Deployment" not in children:  # the one read on a new model's critical path
             children["Deployment"] = await self.api.get("Deployment", ns, name)
         if children["Deployment"] is not None:  # else a first pass: the Deployment alone
             try:
-                wanted = [m["kind"] for m in render(model, self.settings)]
+                wanted = [child_id(m, name) for m in render(model, self.settings)]
             except InvalidSpecError:
                 wanted = []  # the plan says why
-            unread = [kind for kind in wanted if kind not in children]
-            read = await asyncio.gather(*(self.api.get(kind, ns, name) for kind in unread))
+            # owned children no longer rendered are in the store (the watches show them)
+            unread = [cid for cid in wanted if cid not in children]
+            refs = [child_ref(cid, name) for cid in unread]
+            read = await asyncio.gather(*(self.api.get(kind, ns, obj) for kind, obj in refs))
             children.update(zip(unread, read, strict=True))
         return Snapshot(model, children, await self.pod_views(key), now=_now())
 
@@ -195,11 +223,12 @@ class Reconciler:
             logger.info("%s/%s: applied %s", ns, name, ", ".join(m["kind"] for m in todo.applies))
         if todo.scale is not None:
             await self.api.scale_deployment(ns, name, todo.scale)
-        for kind in todo.deletes:
-            if await self.api.delete(kind, ns, name):  # False: gone already (a stale watch)
-                logger.info("%s/%s: deleted %s (no longer wanted)", ns, name, kind)
-        for kind in todo.repairs:
-            self.metrics.drift_repairs.labels(kind).inc()
+        for child in todo.deletes:
+            kind, obj_name = child_ref(child, name)
+            if await self.api.delete(kind, ns, obj_name):  # False: gone already (a stale watch)
+                logger.info("%s/%s: deleted %s %s (no longer wanted)", ns, name, kind, obj_name)
+        for child in todo.repairs:
+            self.metrics.drift_repairs.labels(child).inc()
         if todo.status is not None:
             await self.api.apply_model_status(ns, name, todo.status)
             self.metrics.status_writes.inc()

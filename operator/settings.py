@@ -20,6 +20,9 @@ class OperatorSettings(BaseSettings):
 
     runtime_image: str = Field(f"kubeinfer/runtime:{__version__}", min_length=1)
     """Image of the runtime containers when an InferenceModel leaves spec.runtime.image empty."""
+    router_image: str = Field(f"kubeinfer/operator:{__version__}", min_length=1)
+    """Image of the models' router pods (`kubeinfer router`: the core distribution, no torch,
+    which the operator image carries)."""
     downloader_image: str = Field("python:3.12-slim", min_length=1)
     """Image of the init container that downloads hf:// models (needs pip and network)."""
     namespaces: Annotated[list[str], NoDecode] = Field(default_factory=list)

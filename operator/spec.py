@@ -88,6 +88,11 @@ class AutoscalingSpec(_Spec):
     panic_window_seconds: int = Field(6, alias="panicWindowSeconds", ge=1)
     scale_down_delay_seconds: int = Field(300, alias="scaleDownDelaySeconds", ge=0)
     scrape_interval_seconds: int = Field(5, alias="scrapeIntervalSeconds", ge=1)
+    #: with minReplicas 0: this long without a request at the router scales to zero (the CRD
+    #: has no default, so that CEL can refuse it beside minReplicas above 0)
+    scale_to_zero_after_seconds: int = Field(
+        300, alias="scaleToZeroAfterSeconds", ge=0, le=86400
+    )
 
 
 IntOrPercent = int | str
@@ -102,6 +107,32 @@ class RolloutSpec(_Spec):
 
     max_surge: IntOrPercent = Field(1, alias="maxSurge")
     max_unavailable: IntOrPercent = Field(0, alias="maxUnavailable")
+
+
+RoutingMode = Literal["router", "service", "inferencePool"]
+
+
+class EndpointPickerRef(_Spec):
+    """spec.routing.endpointPicker: the Service of the endpoint picker (EPP) a gateway asks
+    where to send each request of the model's InferencePool (mode inferencePool)."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    port: int = Field(9002, ge=1, le=65535)
+
+
+class RoutingSpec(_Spec):
+    """spec.routing: what the model's endpoint (its Service) points at.
+
+    `router`: the model's own `kubeinfer router` pods (prefix affinity, load, holding requests
+    while no replica is ready); `service`: the runtime pods directly (connection round robin);
+    `inferencePool`: the runtime pods directly plus an InferencePool for a Gateway API
+    Inference Extension gateway."""
+
+    mode: RoutingMode = "router"
+    replicas: int = Field(1, ge=1, le=16)
+    endpoint_picker: EndpointPickerRef | None = Field(None, alias="endpointPicker")
+    max_held_requests: int = Field(256, alias="maxHeldRequests", ge=0, le=100_000)
+    max_hold_seconds: int = Field(300, alias="maxHoldSeconds", ge=1, le=3600)
 
 
 class SecretKeyRef(_Spec):
@@ -121,6 +152,7 @@ class InferenceModelSpec(_Spec):
     replicas: int = Field(1, ge=0)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
     api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
 
 
@@ -207,6 +239,15 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
         raise InvalidSpecError("spec.rollout.maxSurge and maxUnavailable cannot both be 0")
     if parsed.autoscaling.min_replicas > parsed.autoscaling.max_replicas:
         raise InvalidSpecError("spec.autoscaling.minReplicas must not exceed maxReplicas")
+    if (
+        parsed.autoscaling.enabled
+        and parsed.autoscaling.min_replicas == 0
+        and parsed.routing.mode != "router"
+    ):
+        raise InvalidSpecError(
+            "spec.autoscaling.minReplicas 0 needs spec.routing.mode router (the router holds "
+            "requests while no replica runs, and its held demand scales the model from zero)"
+        )
     names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]
     if len(set(names)) != len(names):
         raise InvalidSpecError(

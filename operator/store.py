@@ -5,12 +5,15 @@
 objects only, no decisions and no per-model state: every question is answered from the objects
 at the time it is asked.
 
-- Models by key; children (Deployment, Service, PDB: the watches only show those with our
-  labels) by kind and key; ReplicaSets and pods by name.
-- `owned_child(kind, key)`: the child only when it carries the model's owner reference.
+- Models by key; children (the kinds of `manifests.CHILDREN`: the watches only show those with
+  our labels) by kind, namespace and name, each concerning the model its instance label names
+  (the router's children are named `NAME-router`); ReplicaSets and pods by name.
+- `child(child_id, key)`: the object of that child's kind and name, whoever owns it;
+  `owned_child(child_id, key)`: only when it carries the model's owner reference.
 - `owned_pods(key)`: pods whose controller is a ReplicaSet of the model's own Deployment (owner
   references, as the Deployment controller sets them): labels alone can be copied by any pod,
-  which would then be counted and have its /ready read.
+  which would then be counted and have its /ready read. The router's pods (the same instance
+  label) likewise, through its own Deployment.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kubeinfer.operator.manifests import INSTANCE_LABEL, KIND
+from kubeinfer.operator.manifests import INSTANCE_LABEL, KIND, child_ref
 from kubeinfer.operator.plan import is_owned
 
 Key = tuple[str, str]  # (namespace, model name)
@@ -79,22 +82,24 @@ class Store:
             self.children.pop((kind, ns, name), None)
         else:
             self.children[(kind, ns, name)] = dict(body)
-        return ns, name  # a child has its model's name
+        return ns, instance or name  # a child has its model's name, or names it in its label
 
-    def child(self, kind: str, key: Key) -> dict[str, Any] | None:
-        """The watched object of `kind` with the model's name, whoever owns it."""
-        return self.children.get((kind, *key))
+    def child(self, child_id: str, key: Key) -> dict[str, Any] | None:
+        """The watched object of the child's kind and name, whoever owns it."""
+        kind, name = child_ref(child_id, key[1])
+        return self.children.get((kind, key[0], name))
 
-    def owned_child(self, kind: str, key: Key) -> dict[str, Any] | None:
-        """The model's child of `kind`; None when absent or another's."""
-        model, child = self.models.get(key), self.child(kind, key)
+    def owned_child(self, child_id: str, key: Key) -> dict[str, Any] | None:
+        """The model's child `child_id`; None when absent or another's."""
+        model, child = self.models.get(key), self.child(child_id, key)
         if model is None or child is None or not is_owned(child, model):
             return None
         return child
 
-    def owned_pods(self, key: Key) -> dict[str, dict[str, Any]]:
-        """The model's pods by name: those a ReplicaSet of its own Deployment controls."""
-        deployment = self.owned_child("Deployment", key)
+    def owned_pods(self, key: Key, deployment_id: str = "Deployment") -> dict[str, dict[str, Any]]:
+        """The model's pods by name: those a ReplicaSet of its own Deployment controls (of its
+        runtime, or with `deployment_id` "RouterDeployment", of its router)."""
+        deployment = self.owned_child(deployment_id, key)
         pods = self.pods.get(key, {})
         if deployment is None or not pods:
             return {}

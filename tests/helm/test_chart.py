@@ -180,7 +180,13 @@ def test_clusterwide_rbac(helm: Helm) -> None:
     assert ("", "pods", "watch") in rules
     assert ("apps", "replicasets", "watch") in rules  # pods are matched through their owners
     assert ("", "pods", "delete") not in rules
-    assert ("apps", "deployments", "delete") not in rules
+    # a model's router (its Deployment, ServiceAccount, Role, RoleBinding) goes when the
+    # model leaves routing mode router; the operator grants the router pods get/list/watch only
+    assert ("apps", "deployments", "delete") in rules
+    for resource in ("serviceaccounts", "roles", "rolebindings"):
+        group = "" if resource == "serviceaccounts" else "rbac.authorization.k8s.io"
+        assert {(group, resource, v) for v in ("create", "patch", "delete")} <= rules
+    assert not any(r[2] in ("bind", "escalate") for r in rules)
     assert ("", "namespaces", "list") not in rules  # kopf lists them only when namespaced
     assert not any(r[0] == "kopf.dev" for r in rules)  # peering is off by default
     (binding,) = _kinds(objs, "ClusterRoleBinding")
@@ -228,23 +234,36 @@ def test_minimal_values_bring_your_own_account(helm: Helm) -> None:
 def test_monitoring_values(helm: Helm) -> None:
     objs = _release(helm.template("-f", str(CHART / "ci/monitoring-values.yaml")))
     monitors = {o["metadata"]["name"]: o for o in _kinds(objs, "ServiceMonitor")}
-    assert set(monitors) == {"ki-kubeinfer-operator", "ki-kubeinfer-runtime"}
-    runtime = monitors["ki-kubeinfer-runtime"]["spec"]
-    assert runtime["selector"]["matchLabels"]["app.kubernetes.io/name"] == "kubeinfer-runtime"
-    assert runtime["namespaceSelector"] == {"any": True}
-    assert runtime["endpoints"][0]["port"] == "http"
+    assert set(monitors) == {"ki-kubeinfer-operator"}
     assert monitors["ki-kubeinfer-operator"]["metadata"]["labels"]["release"] == "prometheus"
+    # the models' pods as pods: a model's Service selects its router pods in routing mode
+    # router, so a ServiceMonitor on it would never see the runtime's vllm:* metrics
+    pod_monitors = {o["metadata"]["name"]: o for o in _kinds(objs, "PodMonitor")}
+    assert set(pod_monitors) == {"ki-kubeinfer-runtime", "ki-kubeinfer-router"}
+    for component in ("runtime", "router"):
+        spec = pod_monitors[f"ki-kubeinfer-{component}"]["spec"]
+        assert spec["selector"]["matchLabels"]["app.kubernetes.io/name"] == f"kubeinfer-{component}"
+        assert spec["namespaceSelector"] == {"any": True}
+        (endpoint,) = spec["podMetricsEndpoints"]
+        assert endpoint["port"] == "http" and endpoint["relabelings"][0]["targetLabel"] == "model"
+        assert pod_monitors[f"ki-kubeinfer-{component}"]["metadata"]["labels"]["release"] == (
+            "prometheus"
+        )
     (dashboard,) = _kinds(objs, "ConfigMap")
     assert dashboard["metadata"]["namespace"] == "monitoring"
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     board = json.loads(dashboard["data"]["kubeinfer.json"])
-    exprs = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
     for metric in (
         "vllm:generation_tokens_total",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "vllm:time_to_first_token_seconds_bucket",
+        "kubeinfer_router_requests_total",
+        "kubeinfer_router_decisions_total",
+        "kubeinfer_router_held_requests",
+        "kubeinfer_router_hold_seconds_bucket",
     ):
         assert metric in exprs, metric
     titles = {p["title"] for p in board["panels"]}
@@ -253,7 +272,7 @@ def test_monitoring_values(helm: Helm) -> None:
 
 def test_default_values_make_no_monitoring_objects(helm: Helm) -> None:
     kinds = {o["kind"] for o in _release(helm.template())}
-    assert "ServiceMonitor" not in kinds
+    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
     assert "ConfigMap" not in kinds
     assert "Service" in kinds
 

@@ -166,6 +166,25 @@ def test_a_model_applied_afterwards_becomes_ready(release: Release, smollm2_dir:
         READY_TIMEOUT_S,
     )
     assert status["endpoint"] == f"http://smollm2.{release.models_ns}.svc:8000/v1"
+    # the model's router (routing mode router, the default), made under the chart's role: its
+    # ServiceAccount, Role and RoleBinding, and a Ready router pod that lists pods with them
+    rbac = client.RbacAuthorizationV1Api(release.dev.api_client)
+    role = rbac.read_namespaced_role("smollm2-router", release.models_ns)
+    assert [(r.resources, r.verbs) for r in role.rules] == [(["pods"], ["get", "list", "watch"])]
+    rbac.read_namespaced_role_binding("smollm2-router", release.models_ns)
+    release.dev.core.read_namespaced_service_account("smollm2-router", release.models_ns)
+
+    def router_ready() -> bool:
+        pods = release.dev.core.list_namespaced_pod(
+            release.models_ns, label_selector="app.kubernetes.io/name=kubeinfer-router"
+        ).items
+        return any(
+            c.type == "Ready" and c.status == "True"
+            for p in pods
+            for c in p.status.conditions or []
+        )
+
+    wait_for(router_ready, timeout_s=60, what="the router pod Ready")
 
 
 def test_the_operator_scales_and_autoscales_under_the_charts_role(release: Release) -> None:
@@ -346,7 +365,8 @@ def test_rbac_grants_what_the_operator_calls(
         ["get", "configmaps", "-n", "{models}"],
         ["get", "pods", "-n", "kube-system"],
         ["get", "deployments", "-n", "{ns}"],
-        ["delete", "deployment", "smollm2", "-n", "{models}", "--wait=false"],
+        # deleting Deployments is allowed (a model leaving routing mode router), pods never
+        ["delete", "pods", "--all", "-n", "{models}", "--wait=false"],
         ["delete", "inferencemodel", "smollm2", "-n", "{models}", "--wait=false"],
         ["get", "clusterroles"],
     ],

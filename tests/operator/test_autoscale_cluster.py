@@ -243,7 +243,8 @@ class Env:
     def ready_pods(self) -> list[tuple[str, str]]:
         """(name, pod IP) of the ready, not terminating pods."""
         pods = self.dev.core.list_namespaced_pod(
-            self.ns, label_selector=f"app.kubernetes.io/instance={NAME}"
+            self.ns,  # the runtime's pods, not the router's
+            label_selector=f"app.kubernetes.io/name=kubeinfer-runtime,app.kubernetes.io/instance={NAME}",
         ).items
         return [
             (p.metadata.name, p.status.pod_ip)

@@ -1,4 +1,5 @@
-"""render(): the Deployment, Service and PDB of an InferenceModel, without a cluster."""
+"""render(): the Deployment, Service and PDB of an InferenceModel, without a cluster (the
+router's children: tests/operator/test_router_manifests.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kubeinfer.operator.manifests import render, selector_string
+from kubeinfer.operator.manifests import child_id, render, selector_string
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError
 from tests.operator.conftest import example_model, make_model
@@ -15,7 +16,9 @@ CONFIG = OperatorSettings(allow_hostpath=True, hostpath_prefixes=["/srv/models",
 
 
 def by_kind(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {m["kind"]: m for m in manifests}
+    """Rendered children by child id (the runtime's by kind, the router's `Router<kind>`)."""
+    return {child_id(m, m["metadata"]["labels"]["app.kubernetes.io/instance"]): m
+            for m in manifests}  # fmt: skip
 
 
 def container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -31,7 +34,10 @@ def test_example_renders_the_runtime_contract() -> None:
     model = example_model("/srv/models/smollm2-135m", namespace="ml")
     model["metadata"]["uid"] = "u-1"
     out = by_kind(render(model, CONFIG))
-    assert set(out) == {"Deployment", "Service"}  # one replica: no PDB
+    assert set(out) == {  # one replica: no PDB; routing mode router by default
+        "Deployment", "Service",
+        "RouterServiceAccount", "RouterRole", "RouterRoleBinding", "RouterDeployment",
+    }  # fmt: skip
     dep = out["Deployment"]
     assert dep["metadata"]["name"] == "smollm2" and dep["metadata"]["namespace"] == "ml"
     assert dep["spec"]["replicas"] == 1
@@ -170,6 +176,7 @@ def test_children_are_owned_and_labelled() -> None:
         ]
         assert meta["labels"]["app.kubernetes.io/instance"] == "smollm2"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kubeinfer"
+    model["spec"]["routing"] = {"mode": "service"}
     svc = by_kind(render(model, CONFIG))["Service"]
     assert svc["spec"]["ports"] == [
         {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}

@@ -73,7 +73,8 @@ class Cluster:
 
     def pods(self, name: str) -> list[dict[str, Any]]:
         pods = self.dev.core.list_namespaced_pod(
-            self.ns, label_selector=f"app.kubernetes.io/instance={name}"
+            self.ns,  # the runtime's pods, not the router's
+            label_selector=f"app.kubernetes.io/name=kubeinfer-runtime,app.kubernetes.io/instance={name}",
         )
         return [self.dev.api_client.sanitize_for_serialization(p) for p in pods.items]
 
@@ -182,10 +183,12 @@ def test_example_becomes_a_ready_served_model(cluster: Cluster, smollm2_dir: Pat
 def test_kubectl_get_im_shows_the_printer_columns(cluster: Cluster) -> None:
     out = cluster.dev.kubectl("get", "im", "-n", cluster.ns)
     header, *rows = out.strip().splitlines()
-    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "TOKENS/S", "PHASE", "AGE"]
+    assert header.split() == ["NAME", "MODEL", "REPLICAS", "READY", "TOKENS/S", "PHASE",
+                              "ENDPOINT", "AGE"]  # fmt: skip
     row = next(r.split() for r in rows if r.startswith("smollm2 "))
     assert row[1].startswith("hostpath:///") and row[2] == "1" and row[3] == "1"
     assert row[4] == "Ready"  # Tokens/s is empty until the autoscaler reports metrics
+    assert row[5] == f"http://smollm2.{cluster.ns}.svc:8000/v1"
 
 
 def test_deleted_or_edited_children_are_restored(cluster: Cluster) -> None:

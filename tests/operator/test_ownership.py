@@ -49,7 +49,7 @@ def test_an_unlabelled_foreign_object_is_read_fails_the_model_and_is_left_alone(
 
 
 def test_an_earlier_models_leftover_is_a_transient_wait() -> None:
-    r, api = setup()
+    r, api = setup(make_model({"model": {"uri": "pvc://weights"}, "routing": {"mode": "service"}}))
     earlier = {"apiVersion": "kubeinfer.dev/v1alpha1", "kind": "InferenceModel",
                "name": "smollm2", "uid": "old-uid", "controller": True}  # fmt: skip
     api.objects[("Deployment", *KEY)] = foreign("Deployment", earlier)

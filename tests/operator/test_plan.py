@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kubeinfer.operator.manifests import labels, render
+from kubeinfer.operator.manifests import child_id, labels, render
 from kubeinfer.operator.plan import (
     NOT_OWNED_RETRY_S,
     ChildPlan,
@@ -22,7 +22,16 @@ from kubeinfer.operator.plan_types import Plan, Snapshot
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import parse_spec
 from kubeinfer.operator.status import PodView
-from tests.operator.conftest import make_model
+from tests.operator.conftest import make_model as make_any_model
+
+
+def make_model(spec: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
+    """A model in routing mode `service`: these tests are about the runtime's children, the
+    same in every mode (the router's: the end of this file)."""
+    model = make_any_model(spec, **meta)
+    model["spec"].setdefault("routing", {"mode": "service"})
+    return model
+
 
 SETTINGS = OperatorSettings()
 MODEL = make_model()
@@ -131,7 +140,8 @@ def applied(manifest: dict[str, Any], *, generation: int = 1, observed: int | No
 
 def world(model: dict[str, Any], **status: int) -> dict[str, dict[str, Any] | None]:
     """Every child of `model` as rendered and applied."""
-    return {m["kind"]: applied(m, **status) for m in render(model, SETTINGS)}
+    name = model["metadata"]["name"]
+    return {child_id(m, name): applied(m, **status) for m in render(model, SETTINGS)}
 
 
 def converged(model: dict[str, Any], lives: dict[str, Any]) -> dict[str, Any]:
@@ -178,7 +188,8 @@ def test_a_spec_change_during_a_status_write_is_applied_and_only_then_reported()
     generation 1, Deployment still rendered from generation 1."""
     old_lives = world(MODEL, replicas=1, readyReplicas=1, updatedReplicas=1)
     changed = converged(MODEL, old_lives)
-    changed["spec"] = {"model": {"uri": "pvc://weights"}, "runtime": {"maxNumSeqs": 8}}
+    changed["spec"] = {"model": {"uri": "pvc://weights"}, "runtime": {"maxNumSeqs": 8},
+                       "routing": {"mode": "service"}}  # fmt: skip
     changed["metadata"] = {**changed["metadata"], "generation": 2}
     p = plan(Snapshot(changed, old_lives), SETTINGS)
     assert kinds_of(p) == ["Deployment"] and p.status is None and p.repairs == []
@@ -241,7 +252,7 @@ def test_a_pdb_no_longer_wanted_is_deleted_and_its_absence_is_not_drift() -> Non
     three = make_model({"model": {"uri": "pvc://w"}, "replicas": 3})
     lives = world(three)
     one = converged(three, lives)
-    one["spec"] = {"model": {"uri": "pvc://w"}, "replicas": 1}
+    one["spec"] = {"model": {"uri": "pvc://w"}, "replicas": 1, "routing": {"mode": "service"}}
     one["metadata"] = {**one["metadata"], "generation": 2}
     p = plan(Snapshot(one, lives), SETTINGS)
     assert (

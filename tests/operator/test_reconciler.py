@@ -39,7 +39,7 @@ class FakeApi:
         meta = body["metadata"]
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
-        meta.setdefault("uid", f"uid-{body['kind']}")
+        meta.setdefault("uid", f"uid-{body['kind']}-{meta['name']}")
         meta["generation"] = meta.get("generation", 0) + 1
         if body["kind"] == "Deployment":
             body["spec"].setdefault("replicas", 1)
@@ -116,8 +116,11 @@ def converge(r: Reconciler, key: tuple[str, str] = KEY, max_passes: int = 6) -> 
     return asyncio.run(run())
 
 
+SERVICE_MODE = make_model({"model": {"uri": "pvc://weights"}, "routing": {"mode": "service"}})
+
+
 def test_a_new_model_gets_its_deployment_first_then_the_rest_then_nothing() -> None:
-    r, api = setup()
+    r, api = setup(SERVICE_MODE)
     assert r.queue._waiting == {KEY: True}  # noqa: SLF001 - no Deployment: urgent
     assert converge(r) == [0.0, None]
     assert api.calls == ["read Deployment", "Deployment",  # the first pass: the urgent write
@@ -133,7 +136,7 @@ def test_a_new_model_gets_its_deployment_first_then_the_rest_then_nothing() -> N
 def test_a_stale_watch_is_read_past_and_converges() -> None:
     """The watch has not delivered the operator's own writes yet: names it does not show are
     read, so nothing is created twice nor taken for someone else's."""
-    r, api = setup()
+    r, api = setup(SERVICE_MODE)
     api.is_watch_lagging = True
     converge(r)
     assert api.calls.count("read Deployment") == 2 and api.calls.count("Deployment") == 1
@@ -237,3 +240,41 @@ def test_a_loading_pods_ready_is_read_once_a_probe_interval(monkeypatch: Any) ->
     assert status["phase"] == "Loading" and "loaded 1 of 8 MB" in status["conditions"][0]["message"]
     r.observe("Pod", "DELETED", pod)
     assert r.reports == {}
+
+
+def test_a_routed_model_gets_its_router_in_the_second_pass_and_then_nothing() -> None:
+    """Routing mode router (the default): the router's children are read by their own names
+    (NAME-router) and applied with the Service; a second reconcile writes nothing."""
+    r, api = setup()
+    assert converge(r) == [0.0, None]
+    assert api.calls[:2] == ["read Deployment", "Deployment"]
+    reads = ["read Service", "read ServiceAccount", "read Role", "read RoleBinding",
+             "read Deployment"]  # fmt: skip
+    assert api.calls[2:7] == reads
+    assert sorted(api.calls[7:12]) == sorted(["Service", "ServiceAccount", "Role", "RoleBinding",
+                                              "Deployment"])  # fmt: skip
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment"):
+        assert (kind, "models", "smollm2-router") in api.objects
+    service = api.objects[("Service", "models", "smollm2")]
+    assert service["spec"]["selector"]["app.kubernetes.io/name"] == "kubeinfer-router"
+    api.calls.clear()
+    assert converge(r) == [None] and api.calls == []
+
+
+def test_switching_to_service_mode_deletes_the_router_and_only_it() -> None:
+    r, api = setup()
+    converge(r)
+    model = copy.deepcopy(api.objects[(KIND, *KEY)])
+    model["spec"]["routing"] = {"mode": "service"}
+    model["metadata"]["generation"] = 2
+    api.objects[(KIND, *KEY)] = model
+    r.observe(KIND, "MODIFIED", model)
+    api.calls.clear()
+    converge(r)
+    deletes = sorted(c for c in api.calls if c.startswith("delete"))
+    assert deletes == ["delete Deployment", "delete Role", "delete RoleBinding",
+                       "delete ServiceAccount"]  # fmt: skip
+    assert ("Deployment", "models", "smollm2") in api.objects  # the runtime's stays
+    assert not any(name == "smollm2-router" for _, _, name in api.objects)
+    service = api.objects[("Service", "models", "smollm2")]
+    assert service["spec"]["selector"]["app.kubernetes.io/name"] == "kubeinfer-runtime"

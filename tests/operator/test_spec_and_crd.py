@@ -52,7 +52,7 @@ def test_crd_names_subresources_and_columns(crd: dict[str, Any]) -> None:
     }
     assert "status" in version["subresources"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Replicas", "Ready", "Tokens/s", "Phase", "Age"]
+    assert columns == ["Model", "Replicas", "Ready", "Tokens/s", "Phase", "Endpoint", "Age"]
 
 
 def test_pydantic_defaults_match_the_crd(crd: dict[str, Any]) -> None:

@@ -197,6 +197,30 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         with_spec("spec.rollout", {"maxUnavailable": -1}),
         "spec.rollout.maxUnavailable",
     ),
+    ("unknown routing mode", with_spec("spec.routing", {"mode": "gateway"}), "spec.routing.mode"),
+    ("zero routers", with_spec("spec.routing", {"replicas": 0}), "spec.routing.replicas"),
+    (
+        "negative held requests",
+        with_spec("spec.routing", {"maxHeldRequests": -1}),
+        "spec.routing.maxHeldRequests",
+    ),
+    (
+        "scale to zero without minReplicas 0",
+        with_spec("spec.autoscaling", {"enabled": True, "scaleToZeroAfterSeconds": 60}),
+        "spec.autoscaling.scaleToZeroAfterSeconds",
+    ),
+    (
+        "negative scale to zero",
+        with_spec("spec.autoscaling", {"minReplicas": 0, "scaleToZeroAfterSeconds": -1}),
+        "spec.autoscaling.scaleToZeroAfterSeconds",
+    ),
+    (
+        "min zero without the router",
+        {**with_spec("spec.autoscaling", {"enabled": True, "minReplicas": 0}),
+         "spec": {"model": {"uri": "pvc://m"}, "routing": {"mode": "service"},
+                  "autoscaling": {"enabled": True, "minReplicas": 0}}},
+        "spec.autoscaling.minReplicas",
+    ),  # fmt: skip
     ("unknown spec field", with_spec("spec.gpuCount", 2), "spec.gpuCount"),
     ("unknown nested field", with_spec("spec.runtime", {"maxSeqs": 8}), "spec.runtime.maxSeqs"),
     ("name not DNS-1035", with_spec("metadata.name", "1model"), "metadata.name"),
@@ -253,6 +277,24 @@ def test_unmanaged_args_and_env_are_accepted(
     dev_cluster: DevClusterHandle, crd_ns: str, spec_runtime: dict[str, Any]
 ) -> None:
     body = with_spec("spec.runtime", spec_runtime)
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"routing": {"mode": "service"}},
+        {"routing": {"mode": "inferencePool"}},
+        {"routing": {"replicas": 2, "maxHeldRequests": 0, "maxHoldSeconds": 5}},
+        {"autoscaling": {"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 0}},
+        {"autoscaling": {"enabled": False, "minReplicas": 0}, "routing": {"mode": "service"}},
+    ],
+)
+def test_routing_and_scale_to_zero_are_accepted(
+    dev_cluster: DevClusterHandle, crd_ns: str, spec: dict[str, Any]
+) -> None:
+    body = copy.deepcopy(VALID)
+    body["spec"].update(spec)
     wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
 
 

@@ -92,7 +92,7 @@ from, the Deployment scale it sets when autoscaling, and events. No wildcards.
   verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments/scale]
   verbs: [get, patch]
@@ -101,6 +101,18 @@ from, the Deployment scale it sets when autoscaling, and events. No wildcards.
   verbs: [get, list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+# each model's router (routing mode router): its ServiceAccount, and a Role that lets it read
+# pods, bound to it (the operator holds pods get/list/watch itself, so it may grant them)
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+# routing mode inferencePool: the model's InferencePool (Gateway API Inference Extension)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [replicasets]

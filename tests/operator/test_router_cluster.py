@@ -1,0 +1,165 @@
+"""A model's router on the dev cluster, end to end: the operator deploys it (routing mode router,
+the default), it lists the model's pods with its own ServiceAccount's narrow Role, and chat
+requests sent to the router pod reach a runtime pod, requests sharing a prefix the same one.
+
+Every connection goes to a 127.x pod IP (never a Service's ClusterIP); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
+from tests.operator.conftest import CRD_PATH, example_model
+from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+
+NAME = "routed"
+RUNTIME = "app.kubernetes.io/name=kubeinfer-runtime"
+ROUTER = "app.kubernetes.io/name=kubeinfer-router"
+#: A system prompt longer than the router's prefix key (256 characters by default).
+SYSTEM = "You are a terse assistant for a shipping company. " * 8
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = pod["status"].get("conditions") or []
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in conditions
+    )
+
+
+def pods(c: Cluster, app: str) -> list[dict[str, Any]]:
+    found = c.dev.core.list_namespaced_pod(
+        c.ns, label_selector=f"{app},app.kubernetes.io/instance={NAME}"
+    )
+    return [c.dev.api_client.sanitize_for_serialization(p) for p in found.items]
+
+
+@pytest.fixture(scope="module")
+def routed(
+    dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
+) -> Iterator[Cluster]:
+    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
+    dev_cluster.kubectl(
+        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
+    )
+    c = Cluster(dev_cluster, dev_cluster.namespace("rt"), tmp_path_factory.mktemp("router"))
+    c.start_operator()
+    model = example_model(smollm2_dir.resolve(), c.ns)
+    model["metadata"]["name"] = NAME
+    model["spec"]["replicas"] = 2
+    model_file = c.log_dir / "model.json"
+    model_file.write_text(json.dumps(model))
+    dev_cluster.kubectl("apply", "-f", str(model_file))
+    try:
+        yield c
+    finally:
+        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
+                            check=False)  # fmt: skip
+        if c.operator is not None:
+            c.operator.stop()
+        dev_cluster.delete_namespace(c.ns)
+
+
+def router_url(c: Cluster) -> str:
+    def ready_router() -> str | None:
+        ready = [p for p in pods(c, ROUTER) if is_ready(p)]
+        return f"http://{ready[0]['status']['podIP']}:8000" if ready else None
+
+    url = wait_for(ready_router, timeout_s=60, what="a Ready router pod")
+    assert url.startswith("http://127.")  # a loopback pod IP, never the ClusterIP
+    return url
+
+
+def chat(url: str, user: str) -> httpx.Response:
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_the_operator_deploys_the_router_and_points_the_endpoint_at_it(routed: Cluster) -> None:
+    c = routed
+    status = c.wait_phase(NAME, "Ready", READY_TIMEOUT_S, readyReplicas=2)
+    assert status["endpoint"] == f"http://{NAME}.{c.ns}.svc:8000/v1"
+    service = c.get("Service", NAME)
+    assert service is not None
+    (router_pod, *_) = wait_for(lambda: pods(c, ROUTER), timeout_s=30, what="router pods")
+    labels = router_pod["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()  # the endpoint is the router's
+    spec = router_pod["spec"]
+    assert spec["serviceAccountName"] == f"{NAME}-router"
+    assert not any("nvidia.com/gpu" in (ct["resources"].get("limits") or {})
+                   for ct in spec["containers"])  # fmt: skip
+    router_url(c)  # its /ready: it has listed pods with its own token and Role
+    out = c.dev.kubectl("get", "im", NAME, "-n", c.ns)
+    header, row = out.strip().splitlines()
+    assert "ENDPOINT" in header.split()
+    assert f"http://{NAME}.{c.ns}.svc:8000/v1" in row.split()
+
+
+def test_a_chat_request_through_the_router_pod_is_served_by_a_model_pod(routed: Cluster) -> None:
+    c = routed
+    url = router_url(c)
+    names = {p["metadata"]["name"] for p in pods(c, RUNTIME) if is_ready(p)}
+    assert len(names) == 2
+    # the router lists pods every 2 s: wait until it routes at all
+    def served() -> httpx.Response | None:
+        response = chat(url, "Hello!")
+        return response if response.status_code == 200 else None
+
+    response = wait_for(served, timeout_s=30, what="a 200 through the router")
+    assert response.json()["choices"][0]["message"]["content"]
+    assert response.headers["x-kubeinfer-pod"] in names
+
+
+def test_requests_sharing_a_prefix_land_on_the_same_pod(routed: Cluster) -> None:
+    c = routed
+    url = router_url(c)
+    served_by = []
+    for i in range(4):  # one at a time: no pod is loaded, so affinity decides
+        response = chat(url, f"Where is parcel {i}?")
+        assert response.status_code == 200, response.text[:300]
+        served_by.append(response.headers["x-kubeinfer-pod"])
+    assert len(set(served_by)) == 1, served_by
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert "kubeinfer_router_" in metrics
+
+
+def test_a_pod_leaving_stops_receiving_traffic_without_failing_requests(routed: Cluster) -> None:
+    """Scaled to 1, one pod terminates: its /ready fails within the shutdown delay, the router
+    drops it from its next listing, and requests sent meanwhile all succeed on the pods it
+    still routes to."""
+    c = routed
+    url = router_url(c)
+    before = {p["metadata"]["name"] for p in pods(c, RUNTIME) if is_ready(p)}
+    assert len(before) == 2
+    c.dev.kubectl("scale", "im", NAME, "-n", c.ns, "--replicas", "1")
+    codes, served_by = [], []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(codes) < 12:  # through the pod's whole drain
+        response = chat(url, f"Is parcel {len(codes)} late?")
+        codes.append(response.status_code)
+        served_by.append(response.headers.get("x-kubeinfer-pod"))
+    assert codes and set(codes) == {200}, codes
+    (remaining,) = wait_for(
+        lambda: (names := {p["metadata"]["name"] for p in pods(c, RUNTIME)}) and len(names) == 1
+        and names,
+        timeout_s=90, what="one runtime pod left",
+    )  # fmt: skip
+    for i in range(3):
+        response = chat(url, f"And parcel {i}?")
+        assert response.status_code == 200
+        assert response.headers["x-kubeinfer-pod"] == remaining
+    assert set(served_by) <= before
