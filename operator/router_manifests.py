@@ -40,6 +40,7 @@ ROUTER_GRACE_MARGIN_S = 5
 ROUTER_CPU = "250m"
 ROUTER_MEMORY = "512Mi"
 
+
 def router_name(name: str) -> str:
     return name + ROUTER_SUFFIX
 
@@ -120,6 +121,16 @@ def _probe(path: str, period_s: int, failure_threshold: int) -> dict[str, Any]:
     }
 
 
+def router_replicas(spec: InferenceModelSpec) -> int:
+    """The router's pods: none while the model is paused (`replicas: 0` without autoscaling:
+    nothing to route to and nothing to scale from zero, so a paused model costs no pod at
+    all), else `routing.replicas`. With autoscaling the router always runs: at zero replicas
+    it holds the requests that bring the model back."""
+    if spec.replicas == 0 and not spec.autoscaling.enabled:
+        return 0
+    return spec.routing.replicas
+
+
 def render_router_deployment(
     model: Mapping[str, Any], spec: InferenceModelSpec, config: OperatorSettings
 ) -> Manifest:
@@ -171,7 +182,7 @@ def render_router_deployment(
         "kind": "Deployment",
         "metadata": _metadata(model),
         "spec": {
-            "replicas": spec.routing.replicas,
+            "replicas": router_replicas(spec),
             "selector": {"matchLabels": router_selector_labels(model_name)},
             "strategy": {
                 "type": "RollingUpdate",

@@ -159,3 +159,20 @@ def test_scale_from_zero_needs_the_router(mode: str) -> None:
     with pytest.raises(InvalidSpecError, match="minReplicas 0 needs spec.routing.mode router"):
         parse_spec(spec)
     parse_spec({**spec, "routing": {"mode": "router"}})
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [
+        ({"replicas": 0}, 0),  # paused: nothing to route to, nothing scales it from zero
+        ({"replicas": 0, "routing": {"replicas": 3}}, 0),
+        ({"replicas": 2, "routing": {"replicas": 3}}, 3),
+        ({"replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0}}, 1),
+    ],
+)
+def test_a_paused_model_runs_no_router_pod(spec: dict[str, Any], want: int) -> None:
+    """A bug: 500 paused models (bench/operator_scale.py) asked for 500 router pods."""
+    model = example_model("/srv/models/smollm2-135m")
+    model["metadata"]["uid"] = "u-1"
+    model["spec"].update(spec)
+    assert children(model)["RouterDeployment"]["spec"]["replicas"] == want
