@@ -30,9 +30,10 @@ def test_the_pool_selects_the_runtime_pods_on_their_api_port() -> None:
     assert pool["metadata"]["ownerReferences"][0]["uid"] == "1234-abcd"
     runtime = out["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= runtime.items()
-    assert pool["spec"]["selector"]["matchLabels"] == out["Deployment"]["spec"]["selector"][
-        "matchLabels"
-    ]
+    assert (
+        pool["spec"]["selector"]["matchLabels"]
+        == out["Deployment"]["spec"]["selector"]["matchLabels"]
+    )
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     assert "endpointPickerRef" not in pool["spec"]
     # the Service is the plain one: the runtime pods
@@ -75,8 +76,9 @@ def test_a_cluster_without_the_pool_api_fails_the_model_and_looks_again() -> Non
     status = api.objects[(KIND, *KEY)]["status"]
     assert status["phase"] == "Failed"
     ready = status["conditions"][0]
-    assert ready["reason"] == "APINotInstalled" and "inference.networking.k8s.io/v1" in (
-        ready["message"]
+    assert (
+        ready["reason"] == "APINotInstalled"
+        and "inference.networking.k8s.io/v1" in (ready["message"])
     )
     assert "event APINotInstalled" in api.calls
     assert asyncio.run(r.reconcile(KEY)) == 30.0  # still failing, no second event

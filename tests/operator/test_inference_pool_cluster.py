@@ -8,7 +8,6 @@ Every connection goes to a 127.x pod IP; every wait is bounded.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from kubeinfer.devcluster.upstream import inference_pool_crd
 from kubeinfer.operator.manifests import render
 from kubeinfer.operator.settings import OperatorSettings
-from tests.operator.conftest import CRD_PATH, example_model
-from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster
+from tests.operator.conftest import example_model
+from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster, operator_namespace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,28 +33,16 @@ POOLED, OTHER = "pooled", "other"
 def pooled(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Iterator[Cluster]:
-    for crd, name in ((CRD_PATH, "inferencemodels.kubeinfer.dev"),
-                      (inference_pool_crd(), "inferencepools.inference.networking.k8s.io")):
-        dev_cluster.kubectl("apply", "--server-side", "-f", str(crd))
-        dev_cluster.kubectl("wait", "--for=condition=established", f"crd/{name}",
-                            "--timeout=60s")  # fmt: skip
-    c = Cluster(dev_cluster, dev_cluster.namespace("pool"), tmp_path_factory.mktemp("pool"))
-    c.start_operator()
-    for name, mode in ((POOLED, "inferencePool"), (OTHER, "service")):
-        model = example_model(smollm2_dir.resolve(), c.ns)
-        model["metadata"]["name"] = name
-        model["spec"]["routing"] = {"mode": mode}
-        path = c.log_dir / f"{name}.json"
-        path.write_text(json.dumps(model))
-        dev_cluster.kubectl("apply", "-f", str(path))
-    try:
+    pool_crd = "inferencepools.inference.networking.k8s.io"
+    dev_cluster.kubectl("apply", "--server-side", "-f", str(inference_pool_crd()))
+    dev_cluster.kubectl("wait", "--for=condition=established", f"crd/{pool_crd}", "--timeout=60s")
+    with operator_namespace(dev_cluster, "pool", tmp_path_factory.mktemp("pool")) as c:
+        for name, mode in ((POOLED, "inferencePool"), (OTHER, "service")):
+            model = example_model(smollm2_dir.resolve(), c.ns)
+            model["metadata"]["name"] = name
+            model["spec"]["routing"] = {"mode": mode}
+            c.apply_model(model)
         yield c
-    finally:
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(c.ns)
 
 
 def pool(c: Cluster) -> dict[str, Any]:
@@ -103,8 +90,10 @@ def test_the_pool_selects_exactly_the_models_runtime_pods(pooled: Cluster) -> No
 
 def test_no_router_runs_for_either_model(pooled: Cluster) -> None:
     c = pooled
-    pods = client.CoreV1Api(c.dev.api_client).list_namespaced_pod(
-        c.ns, label_selector="app.kubernetes.io/name=kubeinfer-router"
-    ).items
+    pods = (
+        client.CoreV1Api(c.dev.api_client)
+        .list_namespaced_pod(c.ns, label_selector="app.kubernetes.io/name=kubeinfer-router")
+        .items
+    )
     assert pods == []
     assert c.get("Service", POOLED) is not None

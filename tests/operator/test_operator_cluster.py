@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,27 +97,39 @@ class Cluster:
         op = self.operator.tail(3000) if self.operator else ""
         return f"--- operator log ---\n{op}"
 
+    def apply_model(self, model: dict[str, Any]) -> None:
+        """`kubectl apply` a model body (kept in the log folder)."""
+        path = self.log_dir / f"{model['metadata']['name']}.json"
+        path.write_text(json.dumps(model))
+        self.dev.kubectl("apply", "-f", str(path))
+
+
+@contextmanager
+def operator_namespace(dev: DevClusterHandle, prefix: str, log_dir: Path) -> Iterator[Cluster]:
+    """The CRD established, a fresh namespace and one operator watching it. On exit: the
+    models deleted first, while the operator runs (an autoscaling model carries a finalizer),
+    then the operator stopped and the namespace deleted."""
+    dev.kubectl("apply", "-f", str(CRD_PATH))
+    dev.kubectl(
+        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
+    )
+    c = Cluster(dev, dev.namespace(prefix), log_dir)
+    c.start_operator()
+    try:
+        yield c
+    finally:
+        dev.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false", check=False)
+        if c.operator is not None:
+            c.operator.stop()
+        dev.delete_namespace(c.ns)
+
 
 @pytest.fixture(scope="module")
 def cluster(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
-    dev_cluster.kubectl(
-        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
-    )
-    ns = dev_cluster.namespace("op")
-    c = Cluster(dev_cluster, ns, tmp_path_factory.mktemp("operator"))
-    c.start_operator()
-    try:
+    with operator_namespace(dev_cluster, "op", tmp_path_factory.mktemp("operator")) as c:
         yield c
-    finally:
-        # models first, while the operator runs (an autoscaling model would carry a finalizer)
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(ns)
 
 
 @pytest.fixture(scope="module")

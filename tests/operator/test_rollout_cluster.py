@@ -25,8 +25,7 @@ from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from kubeinfer.operator.manifests import selector_string
 from kubeinfer.runtime.loadgen import find_pod_urls
 from kubeinfer.runtime.testing import llama_config, write_random_checkpoint
-from tests.operator.conftest import CRD_PATH
-from tests.operator.test_operator_cluster import GROUP, PLURAL, VERSION, Cluster
+from tests.operator.test_operator_cluster import GROUP, PLURAL, VERSION, Cluster, operator_namespace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,20 +38,8 @@ REQUEST_TIMEOUT_S = 30
 def cluster(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
-    dev_cluster.kubectl(
-        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
-    )
-    c = Cluster(dev_cluster, dev_cluster.namespace("roll"), tmp_path_factory.mktemp("rollout"))
-    c.start_operator()
-    try:
+    with operator_namespace(dev_cluster, "roll", tmp_path_factory.mktemp("rollout")) as c:
         yield c
-    finally:
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(c.ns)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ Every connection goes to a 127.x pod IP (never a Service's ClusterIP); every wai
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +16,8 @@ import httpx
 import pytest
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
-from tests.operator.conftest import CRD_PATH, example_model
-from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster
+from tests.operator.conftest import example_model
+from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster, operator_namespace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -47,26 +46,12 @@ def pods(c: Cluster, app: str) -> list[dict[str, Any]]:
 def routed(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Iterator[Cluster]:
-    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
-    dev_cluster.kubectl(
-        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
-    )
-    c = Cluster(dev_cluster, dev_cluster.namespace("rt"), tmp_path_factory.mktemp("router"))
-    c.start_operator()
-    model = example_model(smollm2_dir.resolve(), c.ns)
-    model["metadata"]["name"] = NAME
-    model["spec"]["replicas"] = 2
-    model_file = c.log_dir / "model.json"
-    model_file.write_text(json.dumps(model))
-    dev_cluster.kubectl("apply", "-f", str(model_file))
-    try:
+    with operator_namespace(dev_cluster, "rt", tmp_path_factory.mktemp("router")) as c:
+        model = example_model(smollm2_dir.resolve(), c.ns)
+        model["metadata"]["name"] = NAME
+        model["spec"]["replicas"] = 2
+        c.apply_model(model)
         yield c
-    finally:
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(c.ns)
 
 
 def router_url(c: Cluster) -> str:
@@ -114,6 +99,7 @@ def test_a_chat_request_through_the_router_pod_is_served_by_a_model_pod(routed: 
     url = router_url(c)
     names = {p["metadata"]["name"] for p in pods(c, RUNTIME) if is_ready(p)}
     assert len(names) == 2
+
     # the router lists pods every 2 s: wait until it routes at all
     def served() -> httpx.Response | None:
         response = chat(url, "Hello!")

@@ -11,8 +11,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
-from tests.operator.conftest import CRD_PATH
-from tests.operator.test_operator_cluster import GROUP, PLURAL, VERSION, Cluster
+from tests.operator.test_operator_cluster import GROUP, PLURAL, VERSION, Cluster, operator_namespace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -21,20 +20,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 def cluster(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
-    dev_cluster.kubectl(
-        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
-    )
-    c = Cluster(dev_cluster, dev_cluster.namespace("safe"), tmp_path_factory.mktemp("safety"))
-    c.start_operator()
-    try:
+    with operator_namespace(dev_cluster, "safe", tmp_path_factory.mktemp("safety")) as c:
         yield c
-    finally:
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(c.ns)
 
 
 def model_body(name: str, uri: str = "pvc://weights") -> dict[str, Any]:

@@ -9,7 +9,6 @@ of requests and every wait are bounded.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +19,8 @@ import pytest
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from kubeinfer.operator.router_scrape import parse_router_metrics
-from tests.operator.conftest import CRD_PATH, example_model
-from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster
+from tests.operator.conftest import example_model
+from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster, operator_namespace
 from tests.operator.test_router_cluster import ROUTER, is_ready
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -35,30 +34,16 @@ IDLE_S = 20
 def zero(
     dev_cluster: DevClusterHandle, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Iterator[Cluster]:
-    dev_cluster.kubectl("apply", "-f", str(CRD_PATH))
-    dev_cluster.kubectl(
-        "wait", "--for=condition=established", "crd/inferencemodels.kubeinfer.dev", "--timeout=60s"
-    )
-    c = Cluster(dev_cluster, dev_cluster.namespace("zero"), tmp_path_factory.mktemp("zero"))
-    c.start_operator()
-    model = example_model(smollm2_dir.resolve(), c.ns, autoscaling=True)
-    model["metadata"]["name"] = NAME
-    model["spec"]["replicas"] = 0
-    model["spec"]["autoscaling"] |= {
-        "minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": IDLE_S,
-    }  # fmt: skip
-    model["spec"]["routing"] = {"maxHeldRequests": MAX_HELD, "maxHoldSeconds": READY_TIMEOUT_S}
-    model_file = c.log_dir / "model.json"
-    model_file.write_text(json.dumps(model))
-    dev_cluster.kubectl("apply", "-f", str(model_file))
-    try:
+    with operator_namespace(dev_cluster, "zero", tmp_path_factory.mktemp("zero")) as c:
+        model = example_model(smollm2_dir.resolve(), c.ns, autoscaling=True)
+        model["metadata"]["name"] = NAME
+        model["spec"]["replicas"] = 0
+        model["spec"]["autoscaling"] |= {
+            "minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": IDLE_S,
+        }  # fmt: skip
+        model["spec"]["routing"] = {"maxHeldRequests": MAX_HELD, "maxHoldSeconds": READY_TIMEOUT_S}
+        c.apply_model(model)
         yield c
-    finally:
-        dev_cluster.kubectl("delete", "inferencemodels", "--all", "-n", c.ns, "--wait=false",
-                            check=False)  # fmt: skip
-        if c.operator is not None:
-            c.operator.stop()
-        dev_cluster.delete_namespace(c.ns)
 
 
 def router_url(c: Cluster) -> str:
@@ -101,9 +86,7 @@ def test_held_requests_are_served_after_the_cold_start_and_one_more_gets_503(
         assert int(over.headers["retry-after"]) >= 1
         responses = [f.result() for f in futures]
     cold_start_s = time.monotonic() - started
-    assert [r.status_code for r in responses] == [200] * MAX_HELD, [
-        r.text[:200] for r in responses
-    ]
+    assert [r.status_code for r in responses] == [200] * MAX_HELD, [r.text[:200] for r in responses]
     assert all(r.json()["choices"][0]["message"]["content"] for r in responses)
     model = c.model(NAME)
     assert model["spec"]["replicas"] == 1

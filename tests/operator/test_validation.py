@@ -216,9 +216,14 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "min zero without the router",
-        {**with_spec("spec.autoscaling", {"enabled": True, "minReplicas": 0}),
-         "spec": {"model": {"uri": "pvc://m"}, "routing": {"mode": "service"},
-                  "autoscaling": {"enabled": True, "minReplicas": 0}}},
+        {
+            **with_spec("spec.autoscaling", {"enabled": True, "minReplicas": 0}),
+            "spec": {
+                "model": {"uri": "pvc://m"},
+                "routing": {"mode": "service"},
+                "autoscaling": {"enabled": True, "minReplicas": 0},
+            },
+        },
         "spec.autoscaling.minReplicas",
     ),  # fmt: skip
     ("unknown spec field", with_spec("spec.gpuCount", 2), "spec.gpuCount"),
