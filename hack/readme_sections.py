@@ -6,13 +6,16 @@
 - The InferenceModel reference, from the CRD's schema: every spec field gets a row with its
   path, type, default, constraints (ranges, enums, patterns, CEL rules that name it) and
   description. A spec field without a description is an error, so none lands undocumented.
-- The benchmark summary, from bench/RESULTS.md: the latest row of each benchmark.
+- The benchmark summary, from bench/RESULTS.md: the latest row of each benchmark and setup
+  (one per dtype, concurrency, ...; the machine's load, which some setups note, is not part
+  of it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,7 +133,7 @@ def render(crd_path: Path = CRD) -> str:
 
 
 def render_bench(results_path: Path = RESULTS) -> str:
-    """The latest row of each benchmark in bench/RESULTS.md, in first-seen order."""
+    """The latest row of each benchmark and setup in bench/RESULTS.md, in first-seen order."""
     header: str | None = None
     latest: dict[str, str] = {}
     for line in results_path.read_text().splitlines():
@@ -140,7 +143,8 @@ def render_bench(results_path: Path = RESULTS) -> str:
         if cells[0] == "date":
             header = line
             continue
-        latest[cells[1]] = line  # a dict keeps the first-seen order; the value is the last
+        setup = re.sub(r",? load [0-9.]+", "", cells[2]) if len(cells) > 2 else ""
+        latest[f"{cells[1]}|{setup}"] = line  # a dict keeps the first-seen order, the last value
     if header is None:
         raise ReferenceError(f"{results_path.name} has no table header")
     separator = "|" + "---|" * (header.count("|") - 1)

@@ -50,14 +50,19 @@ def test_missing_markers_are_named() -> None:
         gen.rewrite("# no markers here\n", "x")
 
 
-def test_bench_summary_keeps_the_latest_row_of_each_bench(tmp_path: Path) -> None:
+def test_bench_summary_keeps_the_latest_row_of_each_bench_and_setup(tmp_path: Path) -> None:
     gen = _generator()
     results = tmp_path / "RESULTS.md"
     results.write_text(
-        "# x\n\n| date | bench | ours |\n|---|---|---|\n"
-        "| d1 | loader | 1 |\n| d1 | serve | 2 |\n| d2 | loader | 3 |\n"
+        "# x\n\n| date | bench | setup | ours |\n|---|---|---|---|\n"
+        "| d1 | loader | a | 1 |\n| d1 | serve | a | 2 |\n| d2 | loader | a | 3 |\n"
+        "| d1 | peer | fp32, load 7.2 | 4 |\n| d1 | peer | bf16 | 5 |\n"
+        "| d2 | peer | fp32, load 2.1 | 6 |\n"
     )
     block = gen.render_bench(results)
-    assert "| d2 | loader | 3 |" in block and "| d1 | serve | 2 |" in block
-    assert "| d1 | loader | 1 |" not in block
+    assert "| d2 | loader | a | 3 |" in block and "| d1 | serve | a | 2 |" in block
+    assert "| d1 | loader | a | 1 |" not in block
     assert block.index("loader") < block.index("serve")
+    # one row per setup (the load it ran at aside): fp32's latest and bf16's
+    assert "| d2 | peer | fp32, load 2.1 | 6 |" in block and "| d1 | peer | bf16 | 5 |" in block
+    assert "| 4 |" not in block
