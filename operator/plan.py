@@ -218,6 +218,11 @@ def _status(
 ) -> dict[str, Any] | None:
     """The operator's status for `snapshot`, None when the model's already says it."""
     model = snapshot.model
+    spec = model.get("spec") or {}
+    router = None
+    if (spec.get("routing") or {}).get("mode", "router") == "router":
+        live = snapshot.children.get("RouterDeployment")
+        router = live if live is not None and is_owned(live, model) else None
     status = compute_status(
         model,
         deployment,
@@ -226,6 +231,7 @@ def _status(
         failure_reason=failure.reason if failure else "InvalidSpec",
         observed_generation=_generation(model),
         now=snapshot.now,
+        router=router,
     )
     if ((model.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
         del status["desiredReplicas"]  # the autoscaler's field while it runs

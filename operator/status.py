@@ -119,8 +119,11 @@ def compute_status(
     observed_generation: int,
     now: str,
     failure_reason: str = "InvalidSpec",
+    router: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The operator's part of `status` (OWNED_FIELDS and OWNED_CONDITIONS)."""
+    """The operator's part of `status` (OWNED_FIELDS and OWNED_CONDITIONS). `router`: the
+    model's router Deployment in routing mode router; the model is not Ready while its
+    endpoint, the router, has no ready pod (phase Degraded, reason RouterNotReady)."""
     meta, spec = model["metadata"], model.get("spec") or {}
     previous = {c.get("type"): c for c in (model.get("status") or {}).get("conditions") or []}
     desired = int(spec.get("replicas", 1))
@@ -156,6 +159,16 @@ def compute_status(
     else:
         phase, reason = "Pending", "PodsPending"
         message = f"0/{desired} replicas ready: waiting for pods to start"
+
+    if phase == "Ready" and router is not None:
+        wanted = int((router.get("spec") or {}).get("replicas", 1) or 0)
+        routers_ready = int((router.get("status") or {}).get("readyReplicas") or 0)
+        if wanted > 0 and routers_ready == 0:
+            phase, reason = "Degraded", "RouterNotReady"
+            message = (
+                f"{num_ready}/{desired} replicas ready, but 0/{wanted} router pods: the "
+                "endpoint answers no request yet"
+            )
 
     is_rolling = bool(deployment) and (
         num_updated < desired or num_pods != desired or num_ready < desired

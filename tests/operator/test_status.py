@@ -165,3 +165,23 @@ def test_first_difference() -> None:
     assert first_difference(desired, actual) == ".metadata.labels.x"
     assert first_difference({"spec": {"opt": {}}}, {"spec": {}}) is None  # dropped empties
     assert first_difference({"n": 8}, {"n": "8"}) is None  # int-or-string
+
+
+@pytest.mark.parametrize(
+    ("router", "phase"),
+    [
+        (None, "Ready"),  # routing mode service, or no router Deployment read yet
+        ({"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}, "Ready"),
+        ({"spec": {"replicas": 1}, "status": {}}, "Degraded"),
+        ({"spec": {"replicas": 0}, "status": {}}, "Ready"),  # a paused model's
+    ],
+)
+def test_the_model_is_not_ready_while_its_router_has_no_ready_pod(
+    router: dict[str, Any] | None, phase: str
+) -> None:
+    s = status_of(1, deployment(1, 1), pods((True, True, "")), router=router)
+    assert s["phase"] == phase
+    ready = s["conditions"][0]
+    assert ready["status"] == ("True" if phase == "Ready" else "False")
+    if phase == "Degraded":
+        assert ready["reason"] == "RouterNotReady" and "0/1 router pods" in ready["message"]
