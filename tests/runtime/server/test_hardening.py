@@ -268,12 +268,16 @@ def test_queued_tokens_bound_refuses_but_an_empty_queue_admits(capped: Server) -
                         )
                         for i in range(4)
                     ]
-                    # the refused answer at once; the admitted wait for a free sequence, which
-                    # only closing the two streams frees (on a busy machine the 4000 tokens
-                    # would outlast any client timeout)
-                    done, _ = await asyncio.wait(tasks, timeout=30)
-                    refused = [t.result().status_code for t in done]
-                    assert refused and set(refused) == {429}, refused
+                    # the refused answer at once, the admitted one waits for a free sequence:
+                    # the first three answers are the refusals. (Not "all that answer within
+                    # 30 s": on a quiet machine the tiny model ends a 4000-token stream sooner,
+                    # and the admitted request then answers 200 inside the window.)
+                    first = []
+                    for answer in asyncio.as_completed(tasks, timeout=30):
+                        first.append((await answer).status_code)
+                        if len(first) == 3:
+                            break
+                    assert first == [429, 429, 429], first
             return [r.status_code for r in await asyncio.gather(*tasks)]
 
     codes = asyncio.run(main())
