@@ -301,6 +301,18 @@ def runtime_args(
     ]  # fmt: skip
 
 
+def restricted_container_security() -> dict[str, Any]:
+    """A container's securityContext as the restricted Pod Security Standard asks (a fresh dict:
+    the runtime's and the router's containers)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 def _probe(path: str, period_s: int, failure_threshold: int, timeout_s: int) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": "probes"},
@@ -361,13 +373,7 @@ def _runtime_container(
         ),
         "livenessProbe": _probe("/health", 10, 3, 5),
         "resources": {"requests": requests, "limits": limits},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": restricted_container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": _mounts(source),
     }

@@ -24,6 +24,7 @@ from kubeinfer.operator.manifests import (
     PORT,
     Manifest,
     owner_reference,
+    restricted_container_security,
     router_selector_labels,
     selector_string,
     served_name,
@@ -153,13 +154,7 @@ def render_router_deployment(
             "requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
             "limits": {"memory": ROUTER_MEMORY},
         },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "privileged": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": restricted_container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
