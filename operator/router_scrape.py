@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Iterable
 
 import httpx
@@ -50,6 +51,8 @@ def parse_router_metrics(text: str) -> tuple[int, int, float]:
                 requests += s.value
     if held is None:
         raise RouterMetricsError(f"no {HELD} in the response")
+    if not all(math.isfinite(v) for v in (held, in_flight, requests)):
+        raise RouterMetricsError("a router metric is not a finite number")
     return max(0, int(held)), max(0, int(in_flight)), requests
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -69,6 +70,9 @@ def parse_metrics(
         for s in family.samples:
             if model_name is not None and s.labels.get("model_name", model_name) != model_name:
                 continue
+            if s.name in _COUNTERS or s.name in _GAUGES:
+                if not math.isfinite(s.value):
+                    raise MetricsParseError(f"{s.name} is {s.value}, not a finite number")
             if s.name in _COUNTERS:
                 counters[s.name] = counters.get(s.name, 0.0) + s.value
             elif s.name in _GAUGES:

@@ -42,7 +42,17 @@ def test_parse_keeps_the_served_model() -> None:
     assert parse_metrics(TEXT)[1]["vllm:num_requests_waiting"] == 52.0
 
 
-@pytest.mark.parametrize("body", ["", "hello world {{", "# only a comment\nup 1\n"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        "hello world {{",
+        "# only a comment\nup 1\n",
+        # a pod's NaN or Inf went into rates and the router's scores as if it were a figure
+        "vllm:num_requests_waiting NaN\n",
+        "vllm:kv_cache_usage_perc +Inf\n",
+    ],
+)
 def test_parse_rejects_what_is_not_runtime_metrics(body: str) -> None:
     with pytest.raises(MetricsParseError):
         parse_metrics(body)

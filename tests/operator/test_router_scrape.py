@@ -39,7 +39,20 @@ def test_parse_sums_in_flight_and_requests_over_pods_and_codes() -> None:
     assert parse_router_metrics(text) == (3, 3, 5.0)
 
 
-@pytest.mark.parametrize("body", ["", "# HELP x y\nx 1\n", "not prometheus {{{"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        "# HELP x y\nx 1\n",
+        "not prometheus {{{",
+        # a bug: values int() cannot take raised ValueError/OverflowError past the scrape's
+        # except, and failed the whole autoscaler tick instead of that pod's read
+        "kubeinfer_router_held_requests NaN\n",
+        "kubeinfer_router_held_requests +Inf\n",
+        'kubeinfer_router_held_requests 0\nkubeinfer_router_pod_in_flight{pod="a"} Inf\n',
+        'kubeinfer_router_held_requests 0\nkubeinfer_router_requests_total{pod="a"} NaN\n',
+    ],
+)
 def test_parse_refuses_what_is_not_a_router(body: str) -> None:
     with pytest.raises(RouterMetricsError):
         parse_router_metrics(body)
