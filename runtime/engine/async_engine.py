@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kubeinfer.runtime.engine.engine import Engine
 from kubeinfer.runtime.engine.isolation import failure_message
@@ -222,14 +222,19 @@ class AsyncEngine:
 class RequestStream:
     """One request's outputs for `async for`. Leaving before the last output (a `break`, an
     exception, a cancelled reader, or dropping the stream unread) aborts the request, so a
-    client that goes away never leaves work behind, queued or running."""
+    client that goes away never leaves work behind, queued or running.
 
-    __slots__ = ("_engine", "_queue", "_done", "request_id")
+    A reader that falls behind gets the outputs queued meanwhile as one (`merge_outputs`, as
+    vLLM's output collector does): a slow client costs one SSE chunk per read, not one per
+    token, and the event loop catches up instead of writing a backlog chunk by chunk."""
+
+    __slots__ = ("_engine", "_queue", "_done", "_next", "request_id")
 
     def __init__(
         self, engine: AsyncEngine, request_id: str, q: asyncio.Queue[RequestOutput | BaseException]
     ) -> None:
         self._engine, self.request_id, self._queue, self._done = engine, request_id, q, False
+        self._next: RequestOutput | BaseException | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -237,17 +242,25 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled while waiting: its reader is gone
-            self.close()
-            raise
+        item, self._next = self._next, None
+        if item is None:
+            try:
+                item = await self._queue.get()
+            except BaseException:  # cancelled while waiting: its reader is gone
+                self.close()
+                raise
         if isinstance(item, BaseException):
             self._done = True
             raise EngineDeadError(f"engine stopped: {item}") from item
+        while not item.finished and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException) or _failed(later):
+                self._next = later  # what came before it is delivered first
+                break
+            item = merge_outputs(item, later)
         if item.finished:
             self._done = True
-            if item.outputs[0].finish_reason == "error":
+            if _failed(item):
                 raise RequestFailedError(item)
         return item
 
@@ -262,6 +275,23 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _failed(out: RequestOutput) -> bool:
+    return out.finished and out.outputs[0].finish_reason == "error"
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: `later`'s state (cumulative text and
+    tokens, finish, metrics) with both steps' new text, tokens and logprobs."""
+    a, b = earlier.outputs[0], later.outputs[0]
+    merged = replace(
+        b,
+        new_text=a.new_text + b.new_text,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        new_logprobs=a.new_logprobs + b.new_logprobs,
+    )
+    return replace(later, outputs=[merged])
 
 
 def _failed_output(request: Request, error: Exception) -> RequestOutput:

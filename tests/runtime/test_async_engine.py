@@ -7,11 +7,18 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kubeinfer.runtime import SamplingParams
-from kubeinfer.runtime.engine.async_engine import AsyncEngine, RequestFailedError, _Stream
+from kubeinfer.runtime.engine.async_engine import (
+    AsyncEngine,
+    RequestFailedError,
+    RequestStream,
+    _Stream,
+    merge_outputs,
+)
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.engine import Engine
 from kubeinfer.runtime.engine.outputs import CompletionOutput, RequestOutput
@@ -137,3 +144,52 @@ def test_a_request_the_engine_refuses_fails_alone(
         assert len(asyncio.run(main())) == 3 and aengine.is_running
     finally:
         aengine.stop()
+
+
+class _NoEngine:
+    """What RequestStream needs of its engine: an abort it must not call here."""
+
+    def abort(self, request_id: str) -> None:
+        raise AssertionError(f"aborted {request_id}")
+
+
+def _step(ids: list[int], new: list[int], finish: str | None = None) -> RequestOutput:
+    text = "".join(f"<{i}>" for i in ids)
+    c = CompletionOutput(
+        0, text, ids, finish_reason=finish, new_text="".join(f"<{i}>" for i in new),
+        new_token_ids=new,
+    )  # fmt: skip
+    return RequestOutput("r", None, [1], [c], finished=finish is not None)
+
+
+def test_a_lagging_reader_gets_the_queued_outputs_as_one() -> None:
+    """Three steps queued before the reader looks: one output with all three steps' tokens and
+    text (one SSE chunk for a slow client); a failure queued behind them comes after them."""
+
+    async def main() -> list[Any]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        stream = RequestStream(_NoEngine(), "r", q)  # type: ignore[arg-type]
+        for out in (_step([7], [7]), _step([7, 8], [8]), _step([7, 8, 9], [9])):
+            q.put_nowait(out)
+        first = await stream.__anext__()
+        q.put_nowait(_step([7, 8, 9, 4], [4]))
+        failed = _step([7, 8, 9, 4], [], finish="error")
+        q.put_nowait(failed)
+        second = await stream.__anext__()
+        with pytest.raises(RequestFailedError):
+            await stream.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert first.outputs[0].new_token_ids == [7, 8, 9]
+    assert first.outputs[0].new_text == "<7><8><9>"
+    assert first.outputs[0].token_ids == [7, 8, 9] and not first.finished
+    assert second.outputs[0].new_token_ids == [4] and not second.finished
+
+
+def test_merged_outputs_keep_the_final_state() -> None:
+    done = merge_outputs(_step([7], [7]), _step([7, 8], [8], finish="length"))
+    assert done.finished and done.outputs[0].finish_reason == "length"
+    assert done.outputs[0].new_token_ids == [7, 8] and done.outputs[0].token_ids == [7, 8]
