@@ -237,12 +237,24 @@ def test_exiting_container_is_restarted(dev_cluster: DevClusterHandle, ns: str) 
         },
     )
 
+    seen: list[Any] = [None]
+
     def restarted() -> Any:
         pod = dev_cluster.core.read_namespaced_pod("crash", ns)
         statuses = pod.status.container_statuses or []
+        seen[0] = statuses[0] if statuses else pod.status
         return statuses and statuses[0].restart_count >= 2 and statuses[0]
 
-    status = wait_for(restarted, timeout_s=60, what="restartCount >= 2")
+    # Two crashes with the 1 s and 2 s back-offs take seconds on a quiet machine; the bound is
+    # generous because CI once saw 60 s pass under load, and a timeout says what it last saw.
+    try:
+        status = wait_for(restarted, timeout_s=150, what="restartCount >= 2")
+    except AssertionError as exc:
+        events = dev_cluster.kubectl("get", "events", "-n", ns, "-o", "wide", check=False)
+        raise AssertionError(
+            f"{exc}\nlast container status: {seen[0]}\nevents:\n{events}\n"
+            f"log:\n{dev_cluster.pod_log(ns, 'crash', 'main')[-2000:]}"
+        ) from exc
     assert status.last_state.terminated.exit_code == 3
     assert dev_cluster.pod_log(ns, "crash", "main").count("bye") >= 2
 
