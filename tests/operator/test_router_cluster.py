@@ -7,6 +7,10 @@ Every connection goes to a 127.x pod IP (never a Service's ClusterIP); every wai
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from tests.operator.conftest import example_model
@@ -62,6 +67,20 @@ def router_url(c: Cluster) -> str:
     url = wait_for(ready_router, timeout_s=60, what="a Ready router pod")
     assert url.startswith("http://127.")  # a loopback pod IP, never the ClusterIP
     return url
+
+
+def router_pods(url: str) -> float:
+    """How many runtime pods the router routes to (it lists them every 2 s)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kubeinfer_router_pods":
+                return sample.value
+    return 0.0
+
+
+def wait_router_pods(url: str, n: int) -> None:
+    wait_for(lambda: router_pods(url) == n, timeout_s=30, what=f"the router routing to {n} pods")
 
 
 def chat(url: str, user: str) -> httpx.Response:
@@ -113,6 +132,7 @@ def test_a_chat_request_through_the_router_pod_is_served_by_a_model_pod(routed: 
 def test_requests_sharing_a_prefix_land_on_the_same_pod(routed: Cluster) -> None:
     c = routed
     url = router_url(c)
+    wait_router_pods(url, 2)  # else the first request may go to the only pod it knows yet
     served_by = []
     for i in range(4):  # one at a time: no pod is loaded, so affinity decides
         response = chat(url, f"Where is parcel {i}?")
@@ -121,6 +141,85 @@ def test_requests_sharing_a_prefix_land_on_the_same_pod(routed: Cluster) -> None
     assert len(set(served_by)) == 1, served_by
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert "kubeinfer_router_" in metrics
+
+
+async def _stream(
+    client: httpx.AsyncClient, session: str, started: asyncio.Event, counter: list[int], n: int
+) -> tuple[str, bool]:
+    """One long streamed completion through the router: (pod, finished with every token)."""
+    body = {
+        "model": "smollm2", "prompt": "Tell a long story about a lighthouse.",
+        "max_tokens": 160, "ignore_eos": True, "temperature": 0, "stream": True,
+    }  # fmt: skip
+    done = finished = errored = False
+    async with client.stream(
+        "POST", "/v1/completions", json=body, headers={"x-session-id": session}
+    ) as r:
+        assert r.status_code == 200, await r.aread()
+        pod, chunks = r.headers["x-kubeinfer-pod"], 0
+        try:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    errored |= "error" in event
+                    if event.get("choices"):
+                        finished |= event["choices"][0].get("finish_reason") == "length"
+                    chunks += 1
+                    if chunks == 1:
+                        counter[0] += 1
+                        if counter[0] == n:
+                            started.set()
+        except httpx.HTTPError:
+            errored = True
+    return pod, done and finished and not errored
+
+
+def test_a_runtime_pod_killed_mid_stream_fails_only_its_streams(routed: Cluster) -> None:
+    """Six long streams through the router pod spread over both runtime pods (bounded load);
+    one runtime pod's server is SIGKILLed once every stream has its first token: the streams
+    it served fail, every other one ends with all its tokens, the next requests are served by
+    the survivor, and the killed container comes back (restartPolicy Always)."""
+    c = routed
+    url = router_url(c)
+    c.wait_phase(NAME, "Ready", READY_TIMEOUT_S, readyReplicas=2)
+    wait_router_pods(url, 2)
+    runtime = {p["metadata"]["name"]: p for p in pods(c, RUNTIME) if is_ready(p)}
+    assert len(runtime) == 2
+    num_streams = 6
+
+    async def main() -> tuple[str, list[tuple[str, bool]]]:
+        started, counter = asyncio.Event(), [0]
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            tasks = [
+                asyncio.create_task(_stream(client, f"kill-{i}", started, counter, num_streams))
+                for i in range(num_streams)
+            ]
+            await asyncio.wait_for(started.wait(), 120)
+            victim = sorted(runtime)[0]
+            pid = int(runtime[victim]["status"]["containerStatuses"][0]["containerID"]
+                      .removeprefix("dev://"))  # fmt: skip
+            os.kill(pid, signal.SIGKILL)
+            return victim, await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    victim, results = asyncio.run(main())
+    on_victim = [ok for pod, ok in results if pod == victim]
+    on_survivor = [ok for pod, ok in results if pod != victim]
+    assert on_victim and on_survivor, results  # bounded load spread the sessions
+    assert all(on_survivor), results  # every token, to finish_reason "length"
+    assert not any(on_victim), results
+    survivor = next(name for name in runtime if name != victim)
+    for i in range(3):  # the dead server refuses connections: retried on the survivor
+        response = chat(url, f"After the crash {i}?")
+        assert response.status_code == 200, response.text[:300]
+    wait_for(
+        lambda: sum(is_ready(p) for p in pods(c, RUNTIME)) == 2, timeout_s=READY_TIMEOUT_S,
+        what="the killed pod Ready again",
+    )  # fmt: skip
+    restarted = next(p for p in pods(c, RUNTIME) if p["metadata"]["name"] == victim)
+    assert restarted["status"]["containerStatuses"][0]["restartCount"] >= 1
+    assert survivor in {p["metadata"]["name"] for p in pods(c, RUNTIME)}
 
 
 def test_a_pod_leaving_stops_receiving_traffic_without_failing_requests(routed: Cluster) -> None:
