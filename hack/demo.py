@@ -1,9 +1,12 @@
 """`make demo`: the whole story on one machine.
 
-Dev cluster up -> `helm install` the operator from helm/kubeinfer -> apply examples/smollm2.yaml
-(autoscaling on, 1..3 replicas, short windows) -> wait for Ready -> a chat completion through
-the official `openai` client -> a bounded load burst with `kubeinfer loadgen` while a timeline
-(tokens/s, running/waiting, replicas) prints -> load stops -> scale-down back to 1 ->
+Dev cluster up -> `helm install` the operator from helm/kubeinfer -> apply
+examples/smollm2-scale-to-zero.yaml (autoscaling 0..2 replicas, short windows, the model's
+router in front) -> the router is up and no replica runs -> a chat completion through the
+official `openai` client at the router: the router holds it, the autoscaler scales 0 -> 1, the
+answer comes after the cold start -> a bounded load burst with `kubeinfer loadgen` at the
+router while a timeline (tokens/s, held/running/waiting, replicas) prints -> the router spreads
+it over the replicas the autoscaler adds -> load stops -> scale-down back to 0 ->
 demo-timeline.png, `kubectl get im` and the scaling events.
 
 Environment: DEMO_KEEP=0 tears the cluster down at the end (default: leave it up);
@@ -32,17 +35,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubeinfer.devcluster.cluster import DevCluster
 from kubeinfer.devcluster.config import DevClusterError
-from kubeinfer.operator.manifests import selector_string
+from kubeinfer.operator.manifests import router_selector_labels, selector_string
 from kubeinfer.operator.testing import dev_hostpath_helm_args
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "kubeinfer"
-EXAMPLE = REPO / "examples" / "smollm2.yaml"
+EXAMPLE = REPO / "examples" / "smollm2-scale-to-zero.yaml"
 MODEL_DIR = REPO / ".cache" / "models" / "smollm2-135m"
 OPERATOR_NAMESPACE = "kubeinfer-system"
 NAMESPACE = "default"
-NAME = "smollm2"
+NAME = "smollm2-zero"
 SELECTOR = selector_string(NAME)
+ROUTER_SELECTOR = ",".join(f"{k}={v}" for k, v in sorted(router_selector_labels(NAME).items()))
 QUESTION = "What is the capital of France?"
 
 T = TypeVar("T")
@@ -112,9 +116,17 @@ class Cluster:
         return json.loads(self.kubectl("get", "im", NAME, "-n", NAMESPACE, "-o", "json"))
 
     def pod_urls(self) -> list[str]:
+        """The model's ready runtime pods (127.x IPs on the dev cluster)."""
         from kubeinfer.runtime.loadgen import find_pod_urls
 
         return find_pod_urls(SELECTOR, NAMESPACE, kubeconfig=self.dev.kubeconfig)
+
+    def router_urls(self) -> list[str]:
+        """The model's ready router pods: the endpoint every client here talks to (the
+        Service's ClusterIP is not reachable from this machine)."""
+        from kubeinfer.runtime.loadgen import find_pod_urls
+
+        return find_pod_urls(ROUTER_SELECTOR, NAMESPACE, kubeconfig=self.dev.kubeconfig)
 
 
 def example_manifest(model_dir: Path) -> str:
@@ -158,17 +170,25 @@ def apply_model(cluster: Cluster) -> None:
             raise DemoError(f"{MODEL_DIR} is missing: run `make model`")
         say("    " + cluster.kubectl("apply", "-f", "-", stdin=example_manifest(MODEL_DIR)).strip())
 
-        def ready() -> bool:
-            status = cluster.model().get("status", {})
+        def idle() -> list[str] | None:
+            model = cluster.model()
+            status = model.get("status", {})
             if status.get("phase") == "Failed":
                 raise DemoError(f"the model failed: {_conditions(status)}")
-            return status.get("phase") == "Ready"
+            if model["spec"].get("replicas") != 0 or status.get("replicas", 0) != 0:
+                return None  # the example starts at 0: the autoscaler has not moved yet
+            return cluster.router_urls()
 
         def report() -> str:
             status = cluster.model().get("status", {})
             return f"phase {status.get('phase', '-')}: {_conditions(status)}"
 
-        wait_for(ready, timeout_s=300, what="phase Ready", report=report)
+        (url, *_) = wait_for(idle, timeout_s=300, what="a ready router", report=report)
+        if cluster.pod_urls():
+            raise DemoError("a replica runs before any request (the example asks for 0)")
+        status = cluster.model().get("status", {})
+        say(f"    router ready at {url}; replicas {status.get('replicas', 0)}, phase "
+            f"{status.get('phase')} ({_conditions(status)})")
 
 
 def _conditions(status: dict[str, Any]) -> str:
@@ -182,16 +202,20 @@ def _conditions(status: dict[str, Any]) -> str:
 def chat(cluster: Cluster) -> str:
     from openai import OpenAI
 
-    with step(f"chat completion with the openai client: {QUESTION!r}"):
-        (url, *_) = wait_for(cluster.pod_urls, 60, "a ready pod")
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=2)
+    with step(f"chat completion with the openai client at the router, 0 replicas: {QUESTION!r}"):
+        (url, *_) = wait_for(cluster.router_urls, 60, "a ready router pod")
+        # no retries: the router holds the request through the cold start, so one call answers
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=300, max_retries=0)
         served = cluster.model()["spec"]["model"].get("servedName", NAME)
+        started = time.monotonic()
         reply = client.chat.completions.create(
             model=served, messages=[{"role": "user", "content": QUESTION}],
             max_tokens=32, temperature=0.0,
         )  # fmt: skip
         answer = (reply.choices[0].message.content or "").strip()
         say(f"    answer: {answer}")
+        say(f"    cold start: answered {time.monotonic() - started:.1f}s after the request "
+            "(held at the router, 0 -> 1 replica, weights loaded, generated)")
         if not answer:
             raise DemoError("the model answered with an empty message")
     return answer
@@ -202,6 +226,7 @@ class Sample:
     t: float
     load: int
     tokens_per_s: float
+    held: float
     running: float
     waiting: float
     replicas: int
@@ -209,19 +234,20 @@ class Sample:
 
 
 class Load:
-    """`kubeinfer loadgen` processes, one per ready pod and `per_pod` clients each, started
-    again as they end (pods are found again each time, so new replicas get traffic at once)
-    until stopped. Each round is a few short requests, so the load ends soon after `stop`."""
+    """`num_procs` `kubeinfer loadgen` processes at the model's router, `per_proc` clients each,
+    started again as they end, until stopped; the router spreads them over whichever replicas
+    are ready. Each round is a few short requests, so the load ends soon after `stop`."""
 
-    def __init__(self, cluster: Cluster, per_pod: int, max_pods: int) -> None:
+    def __init__(self, cluster: Cluster, per_proc: int, num_procs: int) -> None:
         self.cluster = cluster
-        self.per_pod = per_pod
-        self.max_pods = max_pods
+        self.per_proc = per_proc
+        self.num_procs = num_procs
         self.stopped = threading.Event()
         self.rounds: list[dict[str, Any]] = []
         self.errors: list[str] = []
-        self._procs: dict[str, subprocess.Popen[str]] = {}
-        self.urls: list[str] = []  # the ready pods, listed every 2 s while the load runs
+        self._procs: dict[int, subprocess.Popen[str]] = {}
+        self.urls: list[str] = []  # the ready routers, listed every 2 s while the load runs
+        self.pod_urls: list[str] = []  # the ready replicas, for the timeline's scrape
         self._lock = threading.Lock()
         self._seed = 0
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -237,7 +263,7 @@ class Load:
         """Requests the load holds open now (loadgen processes still running x clients)."""
         with self._lock:
             self._reap()
-            return len(self._procs) * self.per_pod
+            return len(self._procs) * self.per_proc
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -249,25 +275,25 @@ class Load:
             self._reap()
 
     def _reap(self) -> None:
-        for url, proc in list(self._procs.items()):
+        for slot, proc in list(self._procs.items()):
             if proc.poll() is None:
                 continue
             out, err = proc.communicate()
-            del self._procs[url]
+            del self._procs[slot]
             if proc.returncode == 0:
                 self.rounds.append(json.loads(out))
             else:
                 self.errors.append((err or out).strip()[-300:])
 
-    def _launch(self, url: str) -> None:
+    def _launch(self, slot: int, url: str) -> None:
         self._seed += 1
         cmd = [
             str(REPO / ".venv" / "bin" / "kubeinfer"), "loadgen", "--url", url,
-            "--num-requests", str(self.per_pod), "--concurrency", str(self.per_pod),
+            "--num-requests", str(self.per_proc), "--concurrency", str(self.per_proc),
             "--seed", str(self._seed), "--prompt-len", "16:64", "--output-len", "16:32",
             "--timeout", "30", "--json",
         ]  # fmt: skip
-        self._procs[url] = subprocess.Popen(
+        self._procs[slot] = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
@@ -277,20 +303,21 @@ class Load:
             if time.monotonic() - listed_at >= 2.0:  # the pods change slowly; reaping does not
                 listed_at = time.monotonic()
                 try:
-                    self.urls = self.cluster.pod_urls()
+                    self.urls = self.cluster.router_urls()
+                    self.pod_urls = self.cluster.pod_urls()
                 except Exception as exc:  # noqa: BLE001 - the API may blink; try again
                     self.errors.append(f"listing pods: {exc}")
             with self._lock:
                 self._reap()
-                for url in self.urls[: self.max_pods]:
-                    if url not in self._procs and not self.stopped.is_set():
-                        self._launch(url)
+                for slot in range(self.num_procs if self.urls else 0):
+                    if slot not in self._procs and not self.stopped.is_set():
+                        self._launch(slot, self.urls[slot % len(self.urls)])
             time.sleep(0.5)
 
 
-def scrape(urls: list[str]) -> tuple[float, float]:
-    """Running and waiting requests summed over the pods' /metrics (vLLM's names)."""
-    running = waiting = 0.0
+def scrape(urls: list[str], names: tuple[str, ...]) -> list[float]:
+    """Each of `names` summed over the pods' /metrics (a pod that does not answer adds 0)."""
+    sums = dict.fromkeys(names, 0.0)
     for url in urls:
         try:
             text = httpx.get(f"{url}/metrics", timeout=2.0).text
@@ -298,46 +325,51 @@ def scrape(urls: list[str]) -> tuple[float, float]:
             continue
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == "vllm:num_requests_running":
-                    running += sample.value
-                elif sample.name == "vllm:num_requests_waiting":
-                    waiting += sample.value
-    return running, waiting
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+    return list(sums.values())
 
 
 def sample(cluster: Cluster, load: Load, t0: float) -> Sample:
     status = cluster.model().get("status", {})
-    running, waiting = scrape(load.urls if not load.stopped.is_set() else cluster.pod_urls())
+    if load.stopped.is_set():  # the load's thread lists the pods no more
+        load.urls, load.pod_urls = cluster.router_urls(), cluster.pod_urls()
+    (held,) = scrape(load.urls, ("kubeinfer_router_held_requests",))
+    running, waiting = scrape(
+        load.pod_urls, ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    )
     return Sample(
         t=time.monotonic() - t0,
         load=load.clients(),
         tokens_per_s=float(status.get("metrics", {}).get("generationTokensPerSecond", 0.0)),
-        running=running, waiting=waiting,
+        held=held, running=running, waiting=waiting,
         replicas=int(status.get("replicas", 0)), ready=int(status.get("readyReplicas", 0)),
     )  # fmt: skip
 
 
-def burst(cluster: Cluster, *, per_pod: int, min_load_s: float, max_load_s: float,
+def burst(cluster: Cluster, *, clients: int, min_load_s: float, max_load_s: float,
           settle_s: float) -> list[Sample]:
-    """Load until the model has scaled up (at least `min_load_s`, at most `max_load_s`), then
-    no load until it is back at one replica (at most `settle_s`); a sample every 2 s."""
+    """Load at the router until the model has scaled up (at least `min_load_s`, at most
+    `max_load_s`), then no load until it is back at zero replicas (at most `settle_s`); a
+    sample every 2 s."""
     spec = cluster.model()["spec"]["autoscaling"]
     say(f"    autoscaling: {spec['metric']} target {spec['targetPerReplica']} per replica, "
         f"{spec['minReplicas']}..{spec['maxReplicas']} replicas, scale-down after "
-        f"{spec['scaleDownDelaySeconds']} s")
-    say(f"    load: {per_pod} streamed completions at a time on each ready pod "
-        "(kubeinfer loadgen --url POD), tokens/s as the autoscaler saw it")
-    say(f"    {'t':>5}  {'load':>4}  {'tokens/s':>8}  {'running':>7}  {'waiting':>7}  "
-        f"{'replicas':>8}  {'ready':>5}")
+        f"{spec['scaleDownDelaySeconds']} s, to zero after "
+        f"{spec['scaleToZeroAfterSeconds']} s without a request")
+    say(f"    load: {clients} streamed completions at a time at the router "
+        "(kubeinfer loadgen --url ROUTER), tokens/s as the autoscaler saw it")
+    say(f"    {'t':>5}  {'load':>4}  {'tokens/s':>8}  {'held':>4}  {'running':>7}  "
+        f"{'waiting':>7}  {'replicas':>8}  {'ready':>5}")
     samples: list[Sample] = []
-    load = Load(cluster, per_pod, int(spec["maxReplicas"]))
+    load = Load(cluster, per_proc=clients // 2, num_procs=2)
     t0 = time.monotonic()
 
     def record() -> Sample:
         s = sample(cluster, load, t0)
         samples.append(s)
-        say(f"    {s.t:5.0f}  {s.load:4d}  {s.tokens_per_s:8.1f}  {s.running:7.0f}  "
-            f"{s.waiting:7.0f}  {s.replicas:8d}  {s.ready:5d}")
+        say(f"    {s.t:5.0f}  {s.load:4d}  {s.tokens_per_s:8.1f}  {s.held:4.0f}  "
+            f"{s.running:7.0f}  {s.waiting:7.0f}  {s.replicas:8d}  {s.ready:5d}")
         return s
 
     load.start()
@@ -357,10 +389,10 @@ def burst(cluster: Cluster, *, per_pod: int, min_load_s: float, max_load_s: floa
     try:
         while True:
             s = record()
-            if s.replicas == 1 and s.ready == 1 and s.load == 0:
+            if s.replicas == 0 and s.ready == 0 and s.load == 0:
                 break
             if time.monotonic() - stop_t > settle_s:
-                raise DemoError(f"not back at 1 replica {settle_s:.0f}s after the load stopped")
+                raise DemoError(f"not back at 0 replicas {settle_s:.0f}s after the load stopped")
             time.sleep(2)
     finally:
         load.wait(timeout_s=30)
@@ -382,8 +414,10 @@ def plot(samples: list[Sample], path: Path) -> None:
 
     t = [s.t for s in samples]
     fig, axes = plt.subplots(3, 1, figsize=(9, 7), sharex=True)
-    axes[0].step(t, [s.load for s in samples], where="post", color="tab:gray")
-    axes[0].set_ylabel("load (clients)")
+    axes[0].step(t, [s.load for s in samples], where="post", color="tab:gray", label="clients")
+    axes[0].step(t, [s.held for s in samples], where="post", color="tab:red", label="held")
+    axes[0].set_ylabel("load (requests)")
+    axes[0].legend(loc="upper right")
     axes[1].plot(t, [s.tokens_per_s for s in samples], color="tab:blue")
     axes[1].set_ylabel("tokens/s")
     axes[2].step(t, [s.replicas for s in samples], where="post", label="replicas")
@@ -427,10 +461,10 @@ def main() -> int:
         install_operator(cluster)
         apply_model(cluster)
         chat(cluster)
-        with step("load burst with kubeinfer loadgen (the autoscaler scales up, then down)"):
-            samples = burst(cluster, per_pod=6, min_load_s=45, max_load_s=200, settle_s=150)
+        with step("load burst through the router (the autoscaler scales up, then to zero)"):
+            samples = burst(cluster, clients=12, min_load_s=45, max_load_s=200, settle_s=240)
             peak = max(s.ready for s in samples)
-            say(f"    replicas: 1 -> {peak} (ready) -> {samples[-1].ready}")
+            say(f"    replicas: 0 -> 1 (cold start) -> {peak} (ready) -> {samples[-1].ready}")
         with step(f"timeline plot -> {png}"):
             plot(samples, png)
             say(f"    wrote {png} ({png.stat().st_size} bytes)")

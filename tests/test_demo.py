@@ -1,5 +1,6 @@
 """`make demo`'s script, run as CI runs it, on a dev cluster of its own, torn down after: it must
-answer the question, scale above one replica under load and back to one, and draw its plot."""
+answer the first question from zero replicas through the router, scale above one replica under
+load and back to zero, and draw its plot."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def test_demo_tells_the_whole_story(tmp_path: Path, smollm2_dir: Path) -> None:
     assert done.returncode == 0, out[-4000:] + done.stderr[-2000:]
     answer = re.search(r"answer: (.*)", out)
     assert answer and "Paris" in answer.group(1), out[-3000:]
-    scaled = re.search(r"replicas: 1 -> (\d+) \(ready\) -> (\d+)", out)
-    assert scaled and int(scaled.group(1)) > 1 and scaled.group(2) == "1", out[-3000:]
+    assert re.search(r"router ready at http://127\.[\d.]+:8000; replicas 0", out), out[-3000:]
+    assert re.search(r"cold start: answered [\d.]+s after the request", out), out[-3000:]
+    scaled = re.search(r"replicas: 0 -> 1 \(cold start\) -> (\d+) \(ready\) -> (\d+)", out)
+    assert scaled and int(scaled.group(1)) > 1 and scaled.group(2) == "0", out[-3000:]
     assert png.stat().st_size > 10_000
-    assert "NAME" in out and "smollm2" in out  # kubectl get im
+    assert "NAME" in out and "smollm2-zero" in out  # kubectl get im
     assert "demo OK" in out
