@@ -42,7 +42,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubeinfer.devcluster.cluster import DevCluster
 from kubeinfer.devcluster.testing import DevClusterHandle, _is_running, _make_handle, wait_for
-from kubeinfer.operator.manifests import GROUP, PLURAL, VERSION, selector_string
+from kubeinfer.operator.manifests import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    router_selector_string,
+    selector_string,
+)
 from kubeinfer.operator.testing import OperatorProcess
 from kubeinfer.runtime.loadgen import percentile
 
@@ -196,7 +202,7 @@ def model_body(ns: str) -> dict[str, Any]:
 
 def cold_start(dev: DevClusterHandle, ns: str) -> tuple[float, str]:
     """TTFT of one request at 0 replicas through the router pod; the router's URL."""
-    router = selector_string(NAME).replace("kubeinfer-runtime", "kubeinfer-router")
+    router = router_selector_string(NAME)
     ips = wait_for(lambda: ready_ips(dev, ns, router), timeout_s=120, what="a Ready router")
     router_url = f"http://{ips[0]}:8000"
     assert router_url.startswith("http://127."), router_url

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubeinfer.devcluster.cluster import DevCluster
 from kubeinfer.devcluster.config import DevClusterError
-from kubeinfer.operator.manifests import router_selector_labels, selector_string
+from kubeinfer.operator.manifests import router_selector_string, selector_string
 from kubeinfer.operator.testing import dev_hostpath_helm_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ OPERATOR_NAMESPACE = "kubeinfer-system"
 NAMESPACE = "default"
 NAME = "smollm2-zero"
 SELECTOR = selector_string(NAME)
-ROUTER_SELECTOR = ",".join(f"{k}={v}" for k, v in sorted(router_selector_labels(NAME).items()))
+ROUTER_SELECTOR = router_selector_string(NAME)
 QUESTION = "What is the capital of France?"
 
 T = TypeVar("T")

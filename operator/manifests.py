@@ -100,6 +100,11 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
 
 
+def router_selector_string(name: str) -> str:
+    """The router pods' selector, as `selector_string` writes the runtime pods'."""
+    return ",".join(f"{k}={v}" for k, v in sorted(router_selector_labels(name).items()))
+
+
 def labels(name: str) -> dict[str, str]:
     return {
         **selector_labels(name),

@@ -252,12 +252,14 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._done = True
             raise EngineDeadError(f"engine stopped: {item}") from item
-        while not item.finished and not self._queue.empty():
+        backlog = [item]
+        while not backlog[-1].finished and not self._queue.empty():
             later = self._queue.get_nowait()
             if isinstance(later, BaseException) or _failed(later):
                 self._next = later  # what came before it is delivered first
                 break
-            item = merge_outputs(item, later)
+            backlog.append(later)
+        item = merge_outputs(backlog) if len(backlog) > 1 else item
         if item.finished:
             self._done = True
             if _failed(item):
@@ -281,17 +283,17 @@ def _failed(out: RequestOutput) -> bool:
     return out.finished and out.outputs[0].finish_reason == "error"
 
 
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two consecutive ones of a request: `later`'s state (cumulative text and
-    tokens, finish, metrics) with both steps' new text, tokens and logprobs."""
-    a, b = earlier.outputs[0], later.outputs[0]
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for consecutive ones of a request: the last one's state (cumulative text and
+    tokens, finish, metrics) with every step's new text, tokens and logprobs, joined once."""
+    steps = [out.outputs[0] for out in outputs]
     merged = replace(
-        b,
-        new_text=a.new_text + b.new_text,
-        new_token_ids=a.new_token_ids + b.new_token_ids,
-        new_logprobs=a.new_logprobs + b.new_logprobs,
+        steps[-1],
+        new_text="".join(c.new_text for c in steps),
+        new_token_ids=[t for c in steps for t in c.new_token_ids],
+        new_logprobs=[lp for c in steps for lp in c.new_logprobs],
     )
-    return replace(later, outputs=[merged])
+    return replace(outputs[-1], outputs=[merged])
 
 
 def _failed_output(request: Request, error: Exception) -> RequestOutput:

@@ -8,7 +8,6 @@ Every connection goes to a 127.x pod IP (never a Service's ClusterIP); every wai
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -23,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubeinfer.devcluster.testing import DevClusterHandle, wait_for
 from tests.operator.conftest import example_model
 from tests.operator.test_operator_cluster import READY_TIMEOUT_S, Cluster, operator_namespace
+from tests.router.sse import read_sse
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -151,29 +151,16 @@ async def _stream(
         "model": "smollm2", "prompt": "Tell a long story about a lighthouse.",
         "max_tokens": 160, "ignore_eos": True, "temperature": 0, "stream": True,
     }  # fmt: skip
-    done = finished = errored = False
+    def first() -> None:
+        counter[0] += 1
+        if counter[0] == n:
+            started.set()
+
     async with client.stream(
         "POST", "/v1/completions", json=body, headers={"x-session-id": session}
     ) as r:
         assert r.status_code == 200, await r.aread()
-        pod, chunks = r.headers["x-kubeinfer-pod"], 0
-        try:
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    errored |= "error" in event
-                    if event.get("choices"):
-                        finished |= event["choices"][0].get("finish_reason") == "length"
-                    chunks += 1
-                    if chunks == 1:
-                        counter[0] += 1
-                        if counter[0] == n:
-                            started.set()
-        except httpx.HTTPError:
-            errored = True
-    return pod, done and finished and not errored
+        return r.headers["x-kubeinfer-pod"], (await read_sse(r, first)).complete
 
 
 def test_a_runtime_pod_killed_mid_stream_fails_only_its_streams(routed: Cluster) -> None:

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from kubeinfer.operator.manifests import CHILD_IDS, child_id, child_ref, render, selector_string
+from kubeinfer.operator.manifests import (
+    CHILD_IDS,
+    child_id,
+    child_ref,
+    render,
+    router_selector_string,
+    selector_string,
+)
 from kubeinfer.operator.plan import plan_children
 from kubeinfer.operator.settings import OperatorSettings
 from kubeinfer.operator.spec import InvalidSpecError, parse_spec
@@ -65,6 +72,9 @@ def test_the_router_deployment_selects_the_models_runtime_pods_and_holds_no_gpu(
     model["spec"]["routing"] = {"replicas": 2, "maxHeldRequests": 7, "maxHoldSeconds": 40}
     dep = children(model)["RouterDeployment"]
     assert dep["spec"]["replicas"] == 2
+    selector = dep["spec"]["selector"]["matchLabels"]
+    pairs = sorted(selector.items())
+    assert router_selector_string("smollm2") == ",".join(f"{k}={v}" for k, v in pairs)
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "smollm2-router"
     assert pod["automountServiceAccountToken"] is True

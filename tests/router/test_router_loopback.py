@@ -18,6 +18,7 @@ import pytest
 from tests.runtime.server.conftest import Server, free_port, start_server, stop_server
 
 from .conftest import SERVER_ARGS, Router
+from .sse import read_sse
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,27 +125,16 @@ def test_a_pod_killed_mid_stream_fails_only_its_streams(
         client: httpx.AsyncClient, i: int, started: asyncio.Event, counter: list[int]
     ) -> tuple[str, int, bool, bool]:
         headers = {"x-session-id": f"s{i}"}
+        def first() -> None:
+            counter[0] += 1
+            if counter[0] == 8:
+                started.set()
+
         async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             assert r.status_code == 200
             pod = r.headers["x-kubeinfer-pod"]
-            chunks, done, error, finished = 0, False, False, False
-            try:
-                async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        error |= "error" in event
-                        if event.get("choices"):
-                            finished |= event["choices"][0].get("finish_reason") == "length"
-                        chunks += 1
-                        if chunks == 1:
-                            counter[0] += 1
-                            if counter[0] == 8:
-                                started.set()
-            except httpx.HTTPError:
-                error = True
-        return pod, chunks, done, error or not finished
+            end = await read_sse(r, first)
+        return pod, end.chunks, end.done, end.errored or not end.finished
 
     async def main() -> list[tuple[str, int, bool, bool]]:
         started, counter = asyncio.Event(), [0]

@@ -190,6 +190,6 @@ def test_a_lagging_reader_gets_the_queued_outputs_as_one() -> None:
 
 
 def test_merged_outputs_keep_the_final_state() -> None:
-    done = merge_outputs(_step([7], [7]), _step([7, 8], [8], finish="length"))
+    done = merge_outputs([_step([7], [7]), _step([7, 8], [8], finish="length")])
     assert done.finished and done.outputs[0].finish_reason == "length"
     assert done.outputs[0].new_token_ids == [7, 8] and done.outputs[0].token_ids == [7, 8]
