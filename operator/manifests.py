@@ -349,6 +349,21 @@ def _runtime_container(
                 "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
             }
         )
+    if not any(var.name == "OMP_NUM_THREADS" for var in spec.runtime.env):
+        # torch's CPU thread pool sized to the CPU request, not to the node's cores: pods
+        # sharing a node would otherwise each spin as many threads as it has cores
+        env.append(
+            {
+                "name": "OMP_NUM_THREADS",
+                "valueFrom": {
+                    "resourceFieldRef": {
+                        "containerName": RUNTIME_CONTAINER,
+                        "resource": "requests.cpu",
+                        "divisor": "1",
+                    }
+                },
+            }
+        )
     env.extend(var.to_api() for var in spec.runtime.env)
     res = spec.resources
     requests: dict[str, Any] = {"cpu": str(res.cpu), "memory": str(res.memory)}

@@ -30,6 +30,7 @@ def router(
     scrape_interval_s: float | None = typer.Option(None, help="Pod /metrics scrape period, s."),
     scrape_timeout_s: float | None = typer.Option(None, help="One scrape's bound, s."),
     prefix_chars: int | None = typer.Option(None, help="Prompt characters in the prefix key."),
+    affinity_keys: int | None = typer.Option(None, help="Prefix/session keys remembered."),
     balance_factor: float | None = typer.Option(None, help="Bounded-load factor (>= 1)."),
     kv_weight: float | None = typer.Option(None, help="Score of a full KV cache, in requests."),
     kv_saturation: float | None = typer.Option(None, help="KV usage that affinity avoids."),

@@ -6,16 +6,20 @@ The score, in order:
    else `Reject`. Pods exist but every one is in `exclude` (each refused a connection for this
    request): `Reject`.
 2. **One pod** left: it, reason `only-pod`.
-3. **Affinity** (the `x-session-id` header, else the prompt's prefix key): rendezvous
-   (highest-random-weight) hashing orders the pods by `blake2b(key, pod name)`, the same order
-   in every router replica and for every request with that key, and a pod's leaving only moves
-   the keys it held. Bounded load (Mirrokni et al., "Consistent Hashing with Bounded Loads"):
-   the first pod in that order whose `load + 1 <= ceil(balance_factor * (total load + 1) /
-   number of pods)` and whose KV usage is under `kv_saturation` takes it, reason `session` or
-   `prefix`. So a hot prefix fills its pod up to `balance_factor` times the mean load, then
-   spills to its second pod (the same second pod for every request of that prefix, whose cache
-   warms too), and never pins one overloaded pod. Stale pods stay in the order (a busy pod's
-   scrape can time out; moving its keys would throw its cache away) with their in-flight load.
+3. **Affinity** (the `x-session-id` header, else the prompt's prefix key): the pods the router
+   sent this key to before (`known`, from `affinity.AffinityIndex`, first-served first: where
+   its KV blocks are cached), then the others by score (least loaded first), then by the
+   number of keys the router sends them (`PodView.num_keys`), then by rendezvous
+   (highest-random-weight) order of `blake2b(key, pod name)`. Bounded load (Mirrokni et al.,
+   "Consistent Hashing with Bounded Loads"): the first pod in that order whose
+   `load + 1 <= ceil(balance_factor * (total load + 1) / number of pods)` and whose KV usage
+   is under `kv_saturation` takes it, reason `session` or `prefix`. So a new key goes to the
+   least loaded pod (a handful of hot prefixes spread evenly, where hashing alone can give one
+   pod half of them), a known key stays with its pod up to `balance_factor` times the mean
+   load, then spills to the least loaded other pod, which becomes a known pod of the key too
+   (its cache warms), and never pins one overloaded pod. Stale pods stay in the order (a busy
+   pod's scrape can time out; moving its keys would throw its cache away) with their in-flight
+   load.
 4. **Load** (no key, or every pod over its bound or saturated): the lowest
    `load + kv_weight * kv_usage + stale_penalty * is_stale`; ties go by rendezvous order of
    the request id, so idle pods share sequential requests. `load` is the larger of the
@@ -66,11 +70,18 @@ def score(pod: PodView, config: PickerConfig) -> float:
     return pod.load + config.kv_weight * kv + (config.stale_penalty if pod.is_stale else 0.0)
 
 
-def _affine(key: bytes, pods: Sequence[PodView], config: PickerConfig) -> PodView | None:
+def _affine(
+    key: bytes, pods: Sequence[PodView], config: PickerConfig, known: Sequence[str]
+) -> PodView | None:
     capacity = bounded_capacity(pods, config.balance_factor)
     by_name = {p.name: p for p in pods}
-    for name in rendezvous_order(key, by_name):
-        pod = by_name[name]
+    first = [by_name[name] for name in dict.fromkeys(known) if name in by_name]
+    rank = {name: i for i, name in enumerate(rendezvous_order(key, by_name))}
+    rest = sorted(
+        (p for p in pods if p.name not in known),
+        key=lambda p: (score(p, config), p.num_keys, rank[p.name]),
+    )
+    for pod in first + rest:
         saturated = pod.kv_usage is not None and pod.kv_usage >= config.kv_saturation
         if pod.load + 1 <= capacity and not saturated:
             return pod
@@ -91,8 +102,10 @@ def pick(
     max_held: int = 0,
     exclude: frozenset[str] = frozenset(),
     config: PickerConfig | None = None,
+    known: Sequence[str] = (),
 ) -> Decision:
-    """The pod for this request (see the module docstring for the score)."""
+    """The pod for this request (see the module docstring for the score). `known`: the pods
+    this request's affinity key (`affinity_key`) was sent to before, first-served first."""
     config = config or PickerConfig()
     if not pods:
         if num_held < max_held:
@@ -103,15 +116,17 @@ def pick(
         return Reject(f"no pod answered ({len(exclude)} tried)")
     if len(candidates) == 1:
         return Pick(candidates[0].name, "only-pod")
-    key, reason = _affinity_key(features)
+    key, reason = affinity_key(features)
     if key is not None and reason is not None:
-        chosen = _affine(key, candidates, config)
+        chosen = _affine(key, candidates, config, known)
         if chosen is not None:
             return Pick(chosen.name, reason)
     return Pick(_least_loaded(features, candidates, config), "load")
 
 
-def _affinity_key(features: RequestFeatures) -> tuple[bytes | None, Reason | None]:
+def affinity_key(features: RequestFeatures) -> tuple[bytes | None, Reason | None]:
+    """The key affinity goes by (the session, else the prefix) and its reason; (None, None):
+    none, load decides."""
     if features.session_id:
         return b"session\x00" + features.session_id.encode(), "session"
     if features.prefix_key is not None:

@@ -43,6 +43,8 @@ class PodView:
     num_waiting: float | None = None
     num_running: float | None = None
     kv_usage: float | None = None
+    num_keys: int = 0
+    """Affinity keys the router remembers sending to this pod (`affinity.AffinityIndex`)."""
 
     @property
     def is_stale(self) -> bool:

@@ -43,6 +43,9 @@ class RouterSettings(BaseSettings):
     prefix_chars: int = Field(256, ge=1)
     """Leading prompt characters hashed into the prefix key (about 64 tokens, 4 KV blocks);
     shorter prompts are placed by load."""
+    affinity_keys: int = Field(65536, ge=1, le=1 << 22)
+    """Prefix and session keys whose pods the router remembers (least recently used forgotten
+    first); a forgotten key is placed like a new one, by load."""
     balance_factor: float = Field(1.25, ge=1.0)
     """Bounded load: affinity keeps a pod while its load stays within this factor of the mean."""
     kv_weight: float = Field(4.0, ge=0.0)

@@ -14,10 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kubeinfer.operator.autoscale_types import PodSample
+from kubeinfer.router.affinity import AffinityIndex
 from kubeinfer.router.discovery import Backend
 from kubeinfer.router.hold import HoldQueue
 from kubeinfer.router.metrics import RouterMetrics
-from kubeinfer.router.picker import pick
+from kubeinfer.router.picker import affinity_key, pick
 from kubeinfer.router.routing_types import Hold, Pick, PodView, Reject, RequestFeatures
 from kubeinfer.router.settings import RouterSettings
 
@@ -35,7 +36,7 @@ class PodState:
     sample: PodSample | None = None
     """The last good scrape; None: stale (never scraped, or the last one failed)."""
 
-    def view(self) -> PodView:
+    def view(self, num_keys: int = 0) -> PodView:
         g = self.sample.gauges if self.sample is not None else None
         return PodView(
             self.backend.name,
@@ -43,6 +44,7 @@ class PodState:
             num_waiting=None if g is None else g.get(WAITING, 0.0),
             num_running=None if g is None else g.get(RUNNING, 0.0),
             kv_usage=None if g is None else g.get(KV_USAGE),
+            num_keys=num_keys,
         )
 
 
@@ -52,20 +54,24 @@ class RouterState:
         self.picker_config = settings.picker_config()
         self.pods: dict[str, PodState] = {}
         self.hold = HoldQueue()
+        self.affinity = AffinityIndex(settings.affinity_keys)
         self.metrics = RouterMetrics(self.views, lambda: len(self.hold))
         self.has_synced = False
         """True once discovery answered: the router is ready (with or without pods)."""
 
     def views(self) -> list[PodView]:
-        return [p.view() for p in self.pods.values()]
+        return [p.view(self.affinity.num_keys(name)) for name, p in self.pods.items()]
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
         """The routable pods are now exactly `backends`; held requests go when there are any."""
         current = {b.name: b for b in backends}
+        gone = set()
         for name in list(self.pods):
             if name not in current or current[name].url != self.pods[name].backend.url:
                 logger.info("pod %s left the routable set", name)
                 del self.pods[name]
+                gone.add(name)
+        self.affinity.forget_pods(gone)
         for name, backend in current.items():
             if name not in self.pods:
                 logger.info("pod %s is routable at %s", name, backend.url)
@@ -92,6 +98,7 @@ class RouterState:
         s = self.settings
         arrived = time.monotonic()
         was_held = False
+        key, _ = affinity_key(features)
         try:
             while True:
                 decision = pick(
@@ -101,6 +108,7 @@ class RouterState:
                     max_held=s.max_held_requests,
                     exclude=exclude,
                     config=self.picker_config,
+                    known=self.affinity.pods(key) if key is not None else (),
                 )
                 if not isinstance(decision, Hold):
                     break
@@ -114,4 +122,6 @@ class RouterState:
                 self.metrics.hold_seconds.observe(time.monotonic() - arrived)
         if isinstance(decision, Pick):
             self.metrics.observe_decision(decision.reason)
+            if key is not None:
+                self.affinity.record(key, decision.pod)
         return decision

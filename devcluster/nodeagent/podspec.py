@@ -144,14 +144,18 @@ def field_ref(pod: Pod, path: str, ctx: PodContext) -> str:
 
 
 def resource_field_ref(container: Container, ref: dict[str, Any]) -> str:
-    """`resourceFieldRef`: the container's limit (else request) over the divisor, rounded up."""
+    """`resourceFieldRef` as the kubelet resolves it: `requests.X` is the request (else the
+    limit), `limits.X` the limit (else this machine's CPUs for cpu, 0 otherwise: the node's
+    allocatable), over the divisor, rounded up."""
     from kubernetes.utils.quantity import parse_quantity
 
     kind, _, resource = ref["resource"].partition(".")
     resources = container.get("resources") or {}
-    value = (resources.get("limits") or {}).get(resource) or (resources.get("requests") or {}).get(
-        resource
-    )
+    limit = (resources.get("limits") or {}).get(resource)
+    request = (resources.get("requests") or {}).get(resource)
+    value = (request or limit) if kind == "requests" else limit
+    if value is None and kind == "limits" and resource == "cpu":
+        value = str(os.cpu_count() or 1)
     if value is None:
         return "0"
     divisor = parse_quantity(ref.get("divisor") or "1")

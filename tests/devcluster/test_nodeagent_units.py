@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kubeinfer.devcluster.nodeagent.podspec import (
     PodSpecError,
     launch_spec,
     resolve_image,
+    resource_field_ref,
     rewrite_paths,
 )
 from kubeinfer.devcluster.nodeagent.probes import ProbeResult, ProbeTracker, resolve_port
@@ -351,3 +353,15 @@ def test_ipam_offsets_differ_per_cluster_key() -> None:
     b = Ipam("127.1.0.0/16", "/tmp/ci/.cache/dev").allocate("pod")
     assert a != b and a.startswith("127.1.") and b.startswith("127.1.")
     assert Ipam("127.1.0.0/16", "/work/a/.cache/dev").allocate("x") == a  # stable per key
+
+
+def test_resource_field_ref_tells_requests_from_limits() -> None:
+    """As the kubelet: requests.cpu is the request (the runtime's OMP_NUM_THREADS), limits.cpu
+    the limit, else the node's CPUs; rounded up over the divisor."""
+    c = {"resources": {"requests": {"cpu": "1500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}}
+    assert resource_field_ref(c, {"resource": "requests.cpu", "divisor": "1"}) == "2"
+    assert resource_field_ref(c, {"resource": "limits.cpu"}) == str(os.cpu_count() or 1)
+    assert resource_field_ref(c, {"resource": "requests.memory", "divisor": "1Mi"}) == "1024"
+    assert resource_field_ref(c, {"resource": "limits.memory", "divisor": "1Mi"}) == "2048"
+    only_limit = {"resources": {"limits": {"cpu": "3"}}}  # a request defaults to the limit
+    assert resource_field_ref(only_limit, {"resource": "requests.cpu"}) == "3"

@@ -56,6 +56,10 @@ def test_example_renders_the_runtime_contract() -> None:
     assert args[-4:] == ["--device", "cpu", "--num-kv-blocks", "256"]  # extraArgs last
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # torch's threads follow the CPU request, not the node's cores
+    assert env["OMP_NUM_THREADS"]["valueFrom"] == {
+        "resourceFieldRef": {"containerName": "runtime", "resource": "requests.cpu", "divisor": "1"}
+    }
     assert c["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "probes", "containerPort": 8001, "protocol": "TCP"},
@@ -256,6 +260,12 @@ def test_spec_options_reach_the_pod() -> None:
     assert c["resources"]["requests"]["cpu"] == "8"
     env = {e["name"]: e for e in c["env"]}
     assert env["A"] == {"name": "A", "value": "1"}
+    assert "OMP_NUM_THREADS" in env
+    spec["runtime"]["env"].append({"name": "OMP_NUM_THREADS", "value": "3"})  # the user's wins
+    c = container(by_kind(render(make_model(spec), CONFIG))["Deployment"])
+    assert [e for e in c["env"] if e["name"] == "OMP_NUM_THREADS"] == [
+        {"name": "OMP_NUM_THREADS", "value": "3"}
+    ]
     assert env["KUBEINFER_API_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "keys", "key": "smollm2"}
     }

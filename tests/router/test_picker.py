@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import dataclasses
 
 import pytest
 
-from kubeinfer.router.picker import bounded_capacity, pick, rendezvous_order, score
+from kubeinfer.router.affinity import AffinityIndex
+from kubeinfer.router.discovery import Backend
+from kubeinfer.router.picker import affinity_key, bounded_capacity, pick, rendezvous_order, score
 from kubeinfer.router.routing_types import (
     Hold,
     Pick,
@@ -15,6 +19,8 @@ from kubeinfer.router.routing_types import (
     Reject,
     RequestFeatures,
 )
+from kubeinfer.router.settings import RouterSettings
+from kubeinfer.router.state import RouterState
 
 PODS = [PodView(f"pod-{i}", 0, 0.0, 0.0, 0.0) for i in range(4)]
 
@@ -134,3 +140,78 @@ def test_scraped_load_counts_when_other_routers_fill_a_pod() -> None:
     pod = PodView("p", num_in_flight=1, num_waiting=5.0, num_running=8.0)
     assert pod.load == 13.0
     assert PodView("q", num_in_flight=6, num_waiting=0.0, num_running=2.0).load == 6.0
+
+
+def place(features: RequestFeatures, views: list[PodView], index: AffinityIndex) -> str:
+    """What RouterState.route does: pick with the key's known pods, then remember the pod."""
+    key, _ = affinity_key(features)
+    assert key is not None
+    views = [dataclasses.replace(v, num_keys=index.num_keys(v.name)) for v in views]
+    decision = pick(features, views, known=index.pods(key))
+    assert isinstance(decision, Pick) and decision.reason in ("prefix", "session")
+    index.record(key, decision.pod)
+    return decision.pod
+
+
+def test_a_handful_of_prefixes_spread_evenly_then_stay_with_their_pods() -> None:
+    """Hashing alone gives one of these three pods 5 of 12 prefixes (and one of three pods 6 or
+    more in half of all draws); remembered placement gives each pod 4."""
+    pods = PODS[:3]
+    by_hash = collections.Counter(pick(prefix(n), pods).pod for n in range(12))  # type: ignore[union-attr]
+    assert max(by_hash.values()) == 5
+    index = AffinityIndex(max_keys=100)
+    homes = {n: place(prefix(n), pods, index) for n in range(12)}
+    assert collections.Counter(homes.values()) == {p.name: 4 for p in pods}
+    for n in range(12):  # later requests of a prefix, whatever their id, go to its pod
+        again = RequestFeatures(prefix(n).prefix_key, request_id=f"again-{n}")
+        assert place(again, pods, index) == homes[n]
+
+
+def test_a_new_key_goes_to_the_least_loaded_pod_and_a_known_one_stays_within_the_bound() -> None:
+    views = [PodView("a", 2, 0.0, 2.0, 0.1), PodView("b", 1, 0.0, 1.0, 0.1),
+             PodView("c", 0, 0.0, 0.0, 0.1)]  # fmt: skip
+    assert pick(prefix(1), views) == Pick("c", "prefix")
+    # "a" is the key's pod: load 2 + 1 <= ceil(1.25 * (3 + 1) / 3) = 2? no: it spills to "c"
+    assert pick(prefix(1), views, known=("a",)) == Pick("c", "prefix")
+    views[2] = PodView("c", 1, 0.0, 1.0, 0.1)  # total 4: capacity ceil(1.25 * 5 / 3) = 3
+    assert pick(prefix(1), views, known=("a",)) == Pick("a", "prefix")
+    # the spill pod is known too: after the home pod, before a less loaded stranger
+    views = [PodView("a", 3, 0.0, 3.0, 0.1), PodView("b", 2, 0.0, 2.0, 0.1),
+             PodView("c", 0, 0.0, 0.0, 0.1)]  # fmt: skip
+    assert pick(prefix(1), views, known=("a", "b")) == Pick("b", "prefix")
+    # a known pod that left is skipped
+    assert pick(prefix(1), views[1:], known=("gone", "c")) == Pick("c", "prefix")
+
+
+def test_the_affinity_index_is_bounded_in_keys_and_pods() -> None:
+    index = AffinityIndex(max_keys=2, max_pods=2)
+    index.record(b"k1", "a")
+    index.record(b"k2", "b")
+    assert index.pods(b"k1") == ("a",)  # k1 is now the most recently used
+    index.record(b"k3", "c")  # k2 is dropped
+    assert index.pods(b"k2") == () and len(index) == 2
+    assert (index.num_keys("a"), index.num_keys("b"), index.num_keys("c")) == (1, 0, 1)
+    index.record(b"k1", "b")
+    index.record(b"k1", "c")  # the newest spill is replaced, the home pod kept
+    assert index.pods(b"k1") == ("a", "c")
+    assert (index.num_keys("a"), index.num_keys("b"), index.num_keys("c")) == (1, 0, 2)
+    index.forget_pods({"a"})
+    assert index.pods(b"k1") == ("c",) and index.num_keys("a") == 0
+    index.forget_pods({"c"})
+    assert len(index) == 0 and index.num_keys("c") == 0
+    with pytest.raises(ValueError):
+        AffinityIndex(max_keys=0)
+
+
+def test_the_router_state_remembers_where_it_sent_a_key_and_forgets_a_pod_that_left() -> None:
+    state = RouterState(RouterSettings(backends=["http://127.0.0.1:1", "http://127.0.0.1:2"]))
+    backends = [Backend("p1", "http://127.0.0.1:1"), Backend("p2", "http://127.0.0.1:2")]
+    state.set_backends(backends)
+    first = asyncio.run(state.route(prefix(9)))
+    assert isinstance(first, Pick)
+    state.pods[first.pod].num_in_flight = 1  # the other pod is less loaded, within the bound
+    assert asyncio.run(state.route(prefix(9))) == first
+    assert state.views()[0].num_keys + state.views()[1].num_keys == 1
+    state.set_backends([b for b in backends if b.name != first.pod])
+    key, _ = affinity_key(prefix(9))
+    assert state.affinity.pods(key) == ()  # type: ignore[arg-type]
