@@ -215,3 +215,9 @@ def test_the_router_state_remembers_where_it_sent_a_key_and_forgets_a_pod_that_l
     state.set_backends([b for b in backends if b.name != first.pod])
     key, _ = affinity_key(prefix(9))
     assert state.affinity.pods(key) == ()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1, (1 << 22) + 1])
+def test_affinity_keys_out_of_range_is_refused_by_name(bad: int) -> None:
+    with pytest.raises(ValueError, match="affinity_keys"):
+        RouterSettings(backends=["http://127.0.0.1:1"], affinity_keys=bad)
