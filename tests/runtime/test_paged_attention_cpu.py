@@ -14,8 +14,12 @@ from kubeinfer.runtime.engine.batch import StepBatch
 
 
 def _check_against_reference(
-    shape: list[tuple[int, int]], sliding_window: int | None, num_blocks: int = 40
+    shape: list[tuple[int, int]],
+    sliding_window: int | None,
+    num_blocks: int = 40,
+    fresh_rows: list[tuple[int, int]] | None = None,
 ) -> None:
+    fresh_rows = [] if fresh_rows is None else fresh_rows
     g = torch.Generator().manual_seed(0)
     bs, hkv, heads, d = 4, 2, 6, 8
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -50,6 +54,8 @@ def _check_against_reference(
     k = torch.randn(num_tokens, hkv, d, generator=g)
     v = torch.randn(num_tokens, hkv, d, generator=g)
     attn = PagedAttention([(k_cache, v_cache)], batch, torch.device("cpu"), 0.3, sliding_window)
+    if attn._native is not None:  # which fresh prefills went to SDPA beside the C++ kernel
+        fresh_rows.extend((start, end) for start, end, _ in attn._native.fresh)
     got = attn.forward(0, q, k, v)  # stores k/v first, as the reference expects them stored
     want = paged_attention_reference(
         q,
@@ -69,6 +75,22 @@ def test_per_sequence_cpu_path_matches_reference(sliding_window: int | None) -> 
     # (q_len, seq_len): fresh prefill, decode, chunk with context (consecutive blocks),
     # 1-token fresh, long decode
     _check_against_reference([(7, 7), (1, 9), (5, 13), (1, 1), (1, 22)], sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_long_fresh_prefills_take_sdpa_beside_the_kernel(
+    sliding_window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kubeinfer.kernels import cpu_native
+    from kubeinfer.runtime.engine import attention
+
+    monkeypatch.setattr(attention, "FRESH_SDPA_OVER", 6)
+    fresh: list[tuple[int, int]] = []
+    # fresh 7 and 9 (over 6: SDPA), fresh 6 and 1 (the kernel), a decode, a chunk with context
+    shape = [(7, 7), (1, 9), (6, 6), (5, 13), (1, 1), (9, 9)]
+    _check_against_reference(shape, sliding_window, num_blocks=60, fresh_rows=fresh)
+    if cpu_native.load():
+        assert fresh == [(0, 7), (20, 29)]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 12])
