@@ -6,8 +6,9 @@ kernel: it reads keys and values from the paged cache through the block table (n
 copy), each key and value once for all the query heads that share it, and spreads (sequence,
 query chunk) items over ATen's threads. For head dims 64 and 128 with AVX-512 it takes the scores
 straight from the cache's type (bfloat16 dot products where the CPU has them) and accumulates
-the values in registers. Fresh prefills keep SDPA's flash kernel, which is faster for a long
-causal block with no cache to read.
+the values in registers; in bfloat16 with AVX512_BF16 it puts a prefill chunk's rows in the
+vector lanes, 2-3x faster. Long fresh prefills in float32 keep SDPA's flash kernel, which is
+faster there for a long causal block with no cache to read (runtime/engine/attention.py).
 
 It is a C++ extension compiled with the machine's g++ (`torch.utils.cpp_extension`, ninja) into
 `~/.cache/kubeinfer/ext/<key>/`, keyed by the source, torch, Python and the CPU's flags (it is
@@ -58,6 +59,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def has_bf16_lanes() -> bool:
+    """The kernel attends bfloat16 prefill chunks with the rows in the vector lanes
+    (`attend_rows_bf16`, head dims 64 and 128): the CPU has AVX512_BF16 (it is built with
+    -march=native)."""
+    return "avx512_bf16" in _cpu_flags().split()
 
 
 def build_key() -> str:

@@ -3,11 +3,11 @@
 Every layer stores the step's new k/v by slot, then attends. With the Triton kernels the whole
 step is one varlen launch. On CPU, where the C++ kernel builds (kernels/cpu_native.py), every
 sequence that reads the cache (decodes, later chunks, prefix hits) and every fresh prefill of up
-to `FRESH_SDPA_OVER` tokens goes through it in one call per layer, reading keys in place through
-the block table; longer fresh prefills use causal SDPA over their own k/v (`_NativePlan`).
-Without it (no compiler, or KUBEINFER_CPU_KERNELS=0) the step
-is planned once, shared by every layer, as SDPA calls over each sequence's own keys (decodes in
-groups):
+to `fresh_sdpa_over` tokens (all of them in bfloat16 with AVX512_BF16) goes through it in one
+call per layer, reading keys in place through the block table; longer fresh prefills use causal
+SDPA over their own k/v (`_NativePlan`). Without it (no compiler, or KUBEINFER_CPU_KERNELS=0) the
+step is planned once, shared by every layer, as SDPA calls over each sequence's own keys
+(decodes in groups):
 
 - a sequence whose new tokens are all of it (a first prefill chunk, no cached context) attends
   over its own new k/v with causal SDPA, never reading the cache;
@@ -57,14 +57,22 @@ class _SeqPlan:
 
 
 DECODE_GROUP = 8
+"""Most decodes attended in one SDPA call on CPU (4-16 measure alike on 2 cores)."""
+
 FRESH_SDPA_OVER = 512
 """Fresh prefills (nothing cached before them) longer than this go to SDPA beside the C++ kernel;
 shorter ones go through the kernel with the rest of the step. Measured on the dev machine (AMD
-EPYC, 2 threads, 9 query / 3 KV heads of 64): the kernel takes half SDPA's time at 64-264 tokens
-(bfloat16 87 vs 191 us at 64, 906 vs 1889 us at 264; float32 84 vs 131, 889 vs 1475), 0.6-0.8x
-at 512, even at 768 (bfloat16) to 1024, and SDPA wins from 1024 (float32) or 2048 (bfloat16).
-In the 64-request offline bench (bfloat16): 5-10 % more output tokens/s."""
-"""Most decodes attended in one SDPA call on CPU (4-16 measure alike on 2 cores)."""
+EPYC, 2 threads, 9 query / 3 KV heads of 64), float32: the kernel takes 0.6x SDPA's time at
+64-264 tokens (84 vs 131 us at 64, 889 vs 1475 us at 264), 0.8x at 512, and SDPA wins from 768.
+bfloat16 where the kernel has its lanes path (`cpu_native.has_bf16_lanes`, head dims 64 and 128)
+takes every fresh prefill: 0.3-0.5x SDPA's time at every length from 64 to 2048 tokens."""
+
+
+def fresh_sdpa_over(dtype: torch.dtype, head_dim: int) -> int | None:
+    """Fresh prefills longer than this attend by SDPA on CPU; None: none do."""
+    if dtype == torch.bfloat16 and head_dim in (64, 128) and cpu_native.has_bf16_lanes():
+        return None
+    return FRESH_SDPA_OVER
 
 
 @dataclass(slots=True)
@@ -152,7 +160,7 @@ def plan_sequences(
 class _NativePlan:
     """A CPU step through the C++ kernel (kernels/cpu): every sequence that reads the cache
     (decodes, later chunks, prefix hits) and every short fresh prefill in one call; fresh
-    prefills (all of the sequence is new) of more than `FRESH_SDPA_OVER` tokens by causal SDPA
+    prefills (all of the sequence is new) of more than `fresh_sdpa_over` tokens by causal SDPA
     over their own k/v, which is faster for a long block with nothing cached."""
 
     block_tables: torch.Tensor
@@ -163,10 +171,13 @@ class _NativePlan:
     """(start, end) rows of the long fresh prefills, and each one's window mask (None: causal)."""
 
     @classmethod
-    def build(cls, batch: StepBatch, sliding_window: int | None) -> _NativePlan:
+    def build(
+        cls, batch: StepBatch, sliding_window: int | None, sdpa_over: int | None
+    ) -> _NativePlan:
         qsl = batch.query_start_loc
         q_lens = qsl[1:] - qsl[:-1]
-        fresh = (q_lens == batch.seq_lens) & (q_lens > FRESH_SDPA_OVER)
+        fresh = q_lens == batch.seq_lens
+        fresh &= q_lens > sdpa_over if sdpa_over is not None else False
         starts, ends = qsl[:-1][fresh].tolist(), qsl[1:][fresh].tolist()
         masks = [window_mask(e - s, sliding_window) for s, e in zip(starts, ends, strict=True)]
         return cls(
@@ -232,7 +243,9 @@ class PagedAttention:
         self.slot_mapping = put(batch.slot_mapping)
         self._native: _NativePlan | None = None
         if ops.name == "torch" and device.type == "cpu" and cpu_native.load():
-            self._native = _NativePlan.build(batch, sliding_window)
+            k_cache = kv_caches[0][0]
+            over = fresh_sdpa_over(k_cache.dtype, k_cache.shape[-1])
+            self._native = _NativePlan.build(batch, sliding_window, over)
             self._plans = None
             return
         if ops.name == "torch":

@@ -84,13 +84,23 @@ def test_long_fresh_prefills_take_sdpa_beside_the_kernel(
     from kubeinfer.kernels import cpu_native
     from kubeinfer.runtime.engine import attention
 
-    monkeypatch.setattr(attention, "FRESH_SDPA_OVER", 6)
+    monkeypatch.setattr(attention, "FRESH_SDPA_OVER", 6)  # (float32 here)
     fresh: list[tuple[int, int]] = []
     # fresh 7 and 9 (over 6: SDPA), fresh 6 and 1 (the kernel), a decode, a chunk with context
     shape = [(7, 7), (1, 9), (6, 6), (5, 13), (1, 1), (9, 9)]
     _check_against_reference(shape, sliding_window, num_blocks=60, fresh_rows=fresh)
     if cpu_native.load():
         assert fresh == [(0, 7), (20, 29)]
+
+
+def test_bfloat16_fresh_prefills_go_through_the_kernel_where_it_has_its_lanes_path() -> None:
+    from kubeinfer.kernels import cpu_native
+    from kubeinfer.runtime.engine.attention import FRESH_SDPA_OVER, fresh_sdpa_over
+
+    assert fresh_sdpa_over(torch.float32, 64) == FRESH_SDPA_OVER
+    assert fresh_sdpa_over(torch.bfloat16, 80) == FRESH_SDPA_OVER
+    lanes = cpu_native.has_bf16_lanes()
+    assert fresh_sdpa_over(torch.bfloat16, 64) == (None if lanes else FRESH_SDPA_OVER)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 12])
