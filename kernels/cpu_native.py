@@ -6,9 +6,9 @@ kernel: it reads keys and values from the paged cache through the block table (n
 copy), each key and value once for all the query heads that share it, and spreads (sequence,
 query chunk) items over ATen's threads. For head dims 64 and 128 with AVX-512 it takes the scores
 straight from the cache's type (bfloat16 dot products where the CPU has them) and accumulates
-the values in registers; in bfloat16 with AVX512_BF16 it puts a prefill chunk's rows in the
-vector lanes, 2-3x faster. Long fresh prefills in float32 keep SDPA's flash kernel, which is
-faster there for a long causal block with no cache to read (runtime/engine/attention.py).
+the values in registers; for prefill chunks (float32, and bfloat16 with AVX512_BF16) it puts
+the rows in the vector lanes instead, 1.5-3x faster, and faster than SDPA's flash kernel at
+every length measured, so fresh prefills go through it too (runtime/engine/attention.py).
 
 It is a C++ extension compiled with the machine's g++ (`torch.utils.cpp_extension`, ninja) into
 `~/.cache/kubeinfer/ext/<key>/`, keyed by the source, torch, Python and the CPU's flags (it is
@@ -61,11 +61,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def has_bf16_lanes() -> bool:
-    """The kernel attends bfloat16 prefill chunks with the rows in the vector lanes
-    (`attend_rows_bf16`, head dims 64 and 128): the CPU has AVX512_BF16 (it is built with
-    -march=native)."""
-    return "avx512_bf16" in _cpu_flags().split()
+def rows_in_lanes(dtype: torch.dtype) -> bool:
+    """The kernel attends prefill chunks of `dtype` with the rows in the vector lanes
+    (`attend_rows`, head dims 64 and 128): float32 where the CPU has AVX-512, bfloat16 where it
+    has AVX512_BF16 too (it is built with -march=native)."""
+    flags = _cpu_flags().split()
+    if dtype == torch.float32:
+        return "avx512f" in flags
+    return dtype == torch.bfloat16 and "avx512f" in flags and "avx512_bf16" in flags
 
 
 def build_key() -> str:

@@ -12,15 +12,15 @@
 // exact softmax per row, then the values. Items are spread over ATen's intra-op threads. Keys
 // are read through the block table, never gathered into a copy.
 //
-// `attend_rows_bf16` (bfloat16 with AVX512_BF16, head dims 64 and 128) takes the items with at
-// least ROWS_MIN rows per KV head (prefill chunks, and decodes of 8+ query heads per KV head):
-// rows in the vector lanes, keys broadcast, see there. `run_fast` (AVX-512, head dims 64 and
-// 128) takes the rest: scores straight from the cache's type (VDPBF16PS for bfloat16 where the
-// CPU has it), the scale folded into the softmax, the values accumulated in registers for up to
-// RB rows of one KV head at a time, the next key block prefetched into L1 and the current value
-// block into L2 during the key pass (measured on the dev machine, 64 decodes of 200-700 tokens
-// over 30 layers' caches: 20-25 % faster than converting blocks to float32 and accumulating in
-// memory). `run` is the portable path.
+// `attend_rows` (AVX-512: float32, and bfloat16 with AVX512_BF16; head dims 64 and 128)
+// takes the items with at least ROWS_MIN rows per KV head (prefill chunks, and decodes of 8+
+// query heads per KV head): rows in the vector lanes, keys broadcast, see there. `run_fast`
+// (AVX-512, head dims 64 and 128) takes the rest: scores straight from the cache's type
+// (VDPBF16PS for bfloat16 where the CPU has it), the scale folded into the softmax, the values
+// accumulated in registers for up to RB rows of one KV head at a time, the next key block
+// prefetched into L1 and the current value block into L2 during the key pass (measured on the
+// dev machine, 64 decodes of 200-700 tokens over 30 layers' caches: 20-25 % faster than
+// converting blocks to float32 and accumulating in memory). `run` is the portable path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -374,25 +374,36 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
-#ifdef __AVX512BF16__
-// bfloat16 items with many rows per KV head (prefill chunks): the rows in the vector lanes.
-// Lane group: 16 rows of one KV head (token of the chunk x query head of the group). Its queries
-// are packed once as bf16 pairs, lane i holding row i's dims 2p, 2p+1; every key is broadcast
-// from the cache, so 16 rows' scores for 8 keys come from VDPBF16PS alone (no key transpose, no
-// horizontal sums). Scores stay key-major (s[j][lane]): the softmax runs down the keys for all
-// 16 rows at once. The values go by key pairs: the probabilities as bf16 pairs (p_j, p_j+1) per
-// row, each value pair interleaved (v_j[d], v_j+1[d]) once for RB rows, one VDPBF16PS per 16 dims.
+#if KI_HAVE_DOT16
+// Items with many rows per KV head (prefill chunks), float32 and bfloat16 (with AVX512_BF16):
+// the rows in the vector lanes. Lane group: 16 rows of one KV head (token of the chunk x query
+// head of the group). Its queries are packed once, lane i holding row i (bf16: dims 2p, 2p+1 as
+// one pair; float32: dim d); every key is broadcast from the cache, so 16 rows' scores for 8 keys
+// come from VDPBF16PS / FMA alone (no key transpose, no horizontal sums). Scores stay key-major
+// (s[j][lane]): the softmax runs down the keys for all 16 rows at once. The values: bf16 by key
+// pairs, the probabilities as bf16 pairs (p_j, p_j+1) per row and each value pair interleaved
+// (v_j[d], v_j+1[d]) once for RB rows, one VDPBF16PS per 16 dims; float32 key by key, one FMA
+// per 16 dims.
 // Measured on the dev machine (AMD EPYC with avx512_bf16, 2 threads, 9 query / 3 KV heads of
-// 64), fresh prefills: 39 vs 106 us at 64 tokens, 425 vs 976 at 264, 1.45 vs 3.3 ms at 512,
-// 23 vs 47 ms at 2048 against the keys-in-lanes path below (SDPA's flash kernel: 128 us,
+// 64), fresh prefills in bfloat16: 39 vs 106 us at 64 tokens, 425 vs 976 at 264, 1.45 vs 3.3 ms
+// at 512, 23 vs 47 ms at 2048 against the keys-in-lanes path below (SDPA's flash kernel: 128 us,
 // 1.3, 4.4 and 43 ms). The probabilities' rounding to bf16 adds little: 0.173 % relative L2
 // error against an exact float32 attention where rounding the output alone gives 0.164 %.
 struct RowsBuf {
-  std::vector<uint32_t> qp, pb;
+  std::vector<uint32_t> qp, pb;  // query (bf16 pairs or float bits), probabilities (bf16 pairs)
   std::vector<float> s;
 };
 
 constexpr int64_t ROWS_MIN = 8;  // rows per KV head from which an item takes the lanes path
+
+template <typename T>
+constexpr bool has_rows_path() {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#else
+  return std::is_same_v<T, float>;
+#endif
+}
 
 inline __m512i word_index(int a, int b) {  // words 2i <- a + i, 2i + 1 <- b + i
   alignas(64) int16_t idx[32];
@@ -403,22 +414,21 @@ inline __m512i word_index(int a, int b) {  // words 2i <- a + i, 2i + 1 <- b + i
   return _mm512_load_si512(idx);
 }
 
-template <int D>
-void attend_rows_bf16(const Chunk& c, int64_t H, int64_t G, int64_t Hkv, const int32_t* table,
-                      const c10::BFloat16* kc, const c10::BFloat16* vc, int64_t BS,
-                      int64_t block_elems, int64_t row_stride, float fscale, c10::BFloat16* op,
-                      int64_t o_tok, int64_t o_head, RowsBuf& buf) {
-  constexpr int P2 = D / 2;  // dword pairs per head row
+template <typename T, int D>
+void attend_rows(const Chunk& c, int64_t H, int64_t G, int64_t Hkv, const int32_t* table,
+                 const T* kc, const T* vc, int64_t BS, int64_t block_elems, int64_t row_stride,
+                 float fscale, T* op, int64_t o_tok, int64_t o_head, RowsBuf& buf) {
+  constexpr bool BF = std::is_same_v<T, c10::BFloat16>;
+  constexpr int NQ = BF ? D / 2 : D;  // packed query words per row (bf16 pairs or floats)
   constexpr int RB = D == 64 ? 4 : 2;  // rows whose value accumulators stay in registers
   const int64_t nt = c.nt, lo = c.lo, nk = c.nk, M = nt * G, npair = (nk + 1) / 2;
-  buf.qp.resize(P2 * 16);
+  buf.qp.resize(NQ * 16);
   buf.s.resize(nk * 16);
   buf.pb.resize(npair * 16);
   uint32_t* QP = buf.qp.data();
   float* S = buf.s.data();
   uint32_t* PB = buf.pb.data();
-  const __m512i pair_ilv = word_index(0, 16), v_lo = word_index(0, 32), v_hi = word_index(16, 48);
-  auto at = [&](const c10::BFloat16* base, int64_t j, int64_t g) {
+  auto at = [&](const T* base, int64_t j, int64_t g) {
     return base + table[j / BS] * block_elems + (j % BS) * row_stride + g * D;
   };
   for (int64_t g = 0; g < Hkv; ++g) {
@@ -430,42 +440,52 @@ void attend_rows_bf16(const Chunk& c, int64_t H, int64_t G, int64_t Hkv, const i
         mx[i] = -std::numeric_limits<float>::infinity();
         sum[i] = 0.f;
         if (i >= nl) {  // no row: no keys, zero queries
-          for (int p = 0; p < P2; ++p) QP[p * 16 + i] = 0;
+          for (int p = 0; p < NQ; ++p) QP[p * 16 + i] = 0;
           lane_lo[i] = 1;
           lane_hi[i] = 0;
           continue;
         }
         const int64_t m = m0 + i, ti = m / G;
         const float* qr = c.qf.data() + (ti * H + g * G + m % G) * D;
-        for (int p = 0; p < P2; ++p)
-          QP[p * 16 + i] = static_cast<uint32_t>(c10::BFloat16(qr[2 * p]).x) |
-                           (static_cast<uint32_t>(c10::BFloat16(qr[2 * p + 1]).x) << 16);
+        for (int p = 0; p < NQ; ++p) {
+          if constexpr (BF) {
+            QP[p * 16 + i] = static_cast<uint32_t>(c10::BFloat16(qr[2 * p]).x) |
+                             (static_cast<uint32_t>(c10::BFloat16(qr[2 * p + 1]).x) << 16);
+          } else {
+            std::memcpy(QP + p * 16 + i, qr + p, sizeof(float));
+          }
+        }
         lane_lo[i] = static_cast<int32_t>(c.row_lo[ti] - lo);
         lane_hi[i] = static_cast<int32_t>(c.row_hi[ti] - lo);
       }
-      int64_t j = 0;  // scores, 8 keys at a time: 16 query pairs in registers per pass
+      // one key word (a bf16 pair or a float) times 16 rows' query words, into acc
+      auto madd = [](__m512 acc, __m512i q, const uint32_t* key_word) {
+#ifdef __AVX512BF16__
+        if constexpr (BF)
+          return _mm512_dpbf16_ps(acc, (__m512bh)q, (__m512bh)_mm512_set1_epi32(*key_word));
+#endif
+        return _mm512_fmadd_ps(_mm512_castsi512_ps(q),
+                               _mm512_set1_ps(*reinterpret_cast<const float*>(key_word)), acc);
+      };
+      int64_t j = 0;  // scores, 8 keys at a time: 16 query words in registers per pass
       for (; j + 8 <= nk; j += 8) {
         const uint32_t* kp[8];
         for (int kk = 0; kk < 8; ++kk)
           kp[kk] = reinterpret_cast<const uint32_t*>(at(kc, lo + j + kk, g));
         __m512 acc[8];
         for (int kk = 0; kk < 8; ++kk) acc[kk] = _mm512_setzero_ps();
-        for (int p0 = 0; p0 < P2; p0 += 16) {
+        for (int p0 = 0; p0 < NQ; p0 += 16) {
           __m512i qv[16];
           for (int p = 0; p < 16; ++p) qv[p] = _mm512_loadu_si512(QP + (p0 + p) * 16);
           for (int kk = 0; kk < 8; ++kk)
-            for (int p = 0; p < 16; ++p)
-              acc[kk] = _mm512_dpbf16_ps(acc[kk], (__m512bh)qv[p],
-                                         (__m512bh)_mm512_set1_epi32(kp[kk][p0 + p]));
+            for (int p = 0; p < 16; ++p) acc[kk] = madd(acc[kk], qv[p], kp[kk] + p0 + p);
         }
         for (int kk = 0; kk < 8; ++kk) _mm512_storeu_ps(S + (j + kk) * 16, acc[kk]);
       }
       for (; j < nk; ++j) {
         const uint32_t* kp = reinterpret_cast<const uint32_t*>(at(kc, lo + j, g));
         __m512 acc = _mm512_setzero_ps();
-        for (int p = 0; p < P2; ++p)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(QP + p * 16),
-                                 (__m512bh)_mm512_set1_epi32(kp[p]));
+        for (int p = 0; p < NQ; ++p) acc = madd(acc, _mm512_loadu_si512(QP + p * 16), kp + p);
         _mm512_storeu_ps(S + j * 16, acc);
       }
       for (int64_t jj = 0; jj < nk; ++jj) {  // exact softmax down the keys, 16 rows at once
@@ -487,41 +507,67 @@ void attend_rows_bf16(const Chunk& c, int64_t H, int64_t G, int64_t Hkv, const i
           sum[i] += sj[i];
         }
       }
-      for (int64_t q = 0; q < npair; ++q) {  // probabilities as bf16 pairs (p_2q, p_2q+1)
-        const __m512 a = _mm512_loadu_ps(S + 2 * q * 16);
-        const __m512 b =
-            2 * q + 1 < nk ? _mm512_loadu_ps(S + (2 * q + 1) * 16) : _mm512_setzero_ps();
-        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // words 0-15: a, 16-31: b
-        _mm512_storeu_si512(PB + q * 16, _mm512_permutexvar_epi16(pair_ilv, w));
-      }
-      for (int64_t r0 = 0; r0 < nl; r0 += RB) {  // values, key pair by key pair
+      for (int64_t r0 = 0; r0 < nl; r0 += RB) {  // the values; lanes past nl have p = 0
         __m512 acc[RB][D / 16];
         for (int r = 0; r < RB; ++r)
           for (int d = 0; d < D / 16; ++d) acc[r][d] = _mm512_setzero_ps();
-        for (int64_t q = 0; q < npair; ++q) {
-          const int64_t jk = lo + 2 * q;
-          const c10::BFloat16* va = at(vc, jk, g);
-          const c10::BFloat16* vb = 2 * q + 1 < nk ? at(vc, jk + 1, g) : nullptr;
-          __m512i vp[D / 16];
-          for (int d = 0; d < D / 32; ++d) {
-            const __m512i A = _mm512_loadu_si512(va + 32 * d);
-            const __m512i B = vb ? _mm512_loadu_si512(vb + 32 * d) : _mm512_setzero_si512();
-            vp[2 * d] = _mm512_permutex2var_epi16(A, v_lo, B);
-            vp[2 * d + 1] = _mm512_permutex2var_epi16(A, v_hi, B);
+        if constexpr (BF) {
+#ifdef __AVX512BF16__
+          if (r0 == 0) {  // the probabilities as bf16 pairs (p_2q, p_2q+1), once per lane group
+            const __m512i ilv = word_index(0, 16);
+            for (int64_t q = 0; q < npair; ++q) {
+              const __m512 a = _mm512_loadu_ps(S + 2 * q * 16);
+              const __m512 b =
+                  2 * q + 1 < nk ? _mm512_loadu_ps(S + (2 * q + 1) * 16) : _mm512_setzero_ps();
+              const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // words 0-15: a, 16-31: b
+              _mm512_storeu_si512(PB + q * 16, _mm512_permutexvar_epi16(ilv, w));
+            }
           }
-          for (int r = 0; r < RB; ++r) {  // lanes past nl have zero probabilities
-            const __m512bh pr = (__m512bh)_mm512_set1_epi32(PB[q * 16 + r0 + r]);
-            for (int d = 0; d < D / 16; ++d)
-              acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pr, (__m512bh)vp[d]);
+          const __m512i v_lo = word_index(0, 32), v_hi = word_index(16, 48);
+          for (int64_t q = 0; q < npair; ++q) {
+            const int64_t jk = lo + 2 * q;
+            const T* va = at(vc, jk, g);
+            const T* vb = 2 * q + 1 < nk ? at(vc, jk + 1, g) : nullptr;
+            __m512i vp[D / 16];
+            for (int d = 0; d < D / 32; ++d) {
+              const __m512i A = _mm512_loadu_si512(va + 32 * d);
+              const __m512i B = vb ? _mm512_loadu_si512(vb + 32 * d) : _mm512_setzero_si512();
+              vp[2 * d] = _mm512_permutex2var_epi16(A, v_lo, B);
+              vp[2 * d + 1] = _mm512_permutex2var_epi16(A, v_hi, B);
+            }
+            for (int r = 0; r < RB; ++r) {
+              const __m512bh pr = (__m512bh)_mm512_set1_epi32(PB[q * 16 + r0 + r]);
+              for (int d = 0; d < D / 16; ++d)
+                acc[r][d] = _mm512_dpbf16_ps(acc[r][d], pr, (__m512bh)vp[d]);
+            }
+          }
+#endif
+        } else {
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            const float* vj = reinterpret_cast<const float*>(at(vc, lo + jj, g));
+            __m512 vv[D / 16];
+            for (int d = 0; d < D / 16; ++d) vv[d] = _mm512_loadu_ps(vj + 16 * d);
+            for (int r = 0; r < RB; ++r) {
+              const __m512 pr = _mm512_set1_ps(S[jj * 16 + r0 + r]);
+              for (int d = 0; d < D / 16; ++d) acc[r][d] = _mm512_fmadd_ps(pr, vv[d], acc[r][d]);
+            }
           }
         }
         for (int r = 0; r < RB && r0 + r < nl; ++r) {
           const int64_t m = m0 + r0 + r, ti = m / G;
-          c10::BFloat16* dst = op + (c.tok0 + ti) * o_tok + (g * G + m % G) * o_head;
+          T* dst = op + (c.tok0 + ti) * o_tok + (g * G + m % G) * o_head;
           const __m512 iv = _mm512_set1_ps(1.f / sum[r0 + r]);
-          for (int d = 0; d < D / 16; ++d)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][d], iv)));
+          for (int d = 0; d < D / 16; ++d) {
+            const __m512 y = _mm512_mul_ps(acc[r][d], iv);
+            if constexpr (BF) {
+#ifdef __AVX512BF16__
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * d),
+                                  (__m256i)_mm512_cvtneps_pbh(y));
+#endif
+            } else {
+              _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16 * d, y);
+            }
+          }
         }
       }
     }
@@ -574,22 +620,18 @@ void run_fast(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   struct State {
     Chunk c;
     std::vector<float> scores, inv, acc;
-#ifdef __AVX512BF16__
     RowsBuf rows;
-#endif
   };
   for_each_item<State>(items, [&](const Item& it, State& st) {
     Chunk& c = st.c;
     c.set(it, qsl, lens, window, qp, q_tok, q_head, H, D, 1.f);
-#ifdef __AVX512BF16__
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (has_rows_path<T>()) {
       if (c.nt * G >= ROWS_MIN) {
-        attend_rows_bf16<D>(c, H, G, Hkv, bt + it.seq * bt_stride, kc, vc, BS, block_elems,
-                            row_stride, fscale, op, o_tok, o_head, st.rows);
+        attend_rows<T, D>(c, H, G, Hkv, bt + it.seq * bt_stride, kc, vc, BS, block_elems,
+                          row_stride, fscale, op, o_tok, o_head, st.rows);
         return;
       }
     }
-#endif
     const int64_t s = it.seq, nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
     const std::vector<int64_t>& row_lo = c.row_lo;
     const std::vector<int64_t>& row_hi = c.row_hi;

@@ -3,11 +3,11 @@
 Every layer stores the step's new k/v by slot, then attends. With the Triton kernels the whole
 step is one varlen launch. On CPU, where the C++ kernel builds (kernels/cpu_native.py), every
 sequence that reads the cache (decodes, later chunks, prefix hits) and every fresh prefill of up
-to `fresh_sdpa_over` tokens (all of them in bfloat16 with AVX512_BF16) goes through it in one
-call per layer, reading keys in place through the block table; longer fresh prefills use causal
-SDPA over their own k/v (`_NativePlan`). Without it (no compiler, or KUBEINFER_CPU_KERNELS=0) the
-step is planned once, shared by every layer, as SDPA calls over each sequence's own keys
-(decodes in groups):
+to `fresh_sdpa_over` tokens (all of them with AVX-512, head dims 64 and 128) goes through it in
+one call per layer, reading keys in place through the block table; longer fresh prefills use
+causal SDPA over their own k/v (`_NativePlan`). Without it (no compiler, or
+KUBEINFER_CPU_KERNELS=0) the step is planned once, shared by every layer, as SDPA calls over
+each sequence's own keys (decodes in groups):
 
 - a sequence whose new tokens are all of it (a first prefill chunk, no cached context) attends
   over its own new k/v with causal SDPA, never reading the cache;
@@ -60,17 +60,19 @@ DECODE_GROUP = 8
 """Most decodes attended in one SDPA call on CPU (4-16 measure alike on 2 cores)."""
 
 FRESH_SDPA_OVER = 512
-"""Fresh prefills (nothing cached before them) longer than this go to SDPA beside the C++ kernel;
-shorter ones go through the kernel with the rest of the step. Measured on the dev machine (AMD
-EPYC, 2 threads, 9 query / 3 KV heads of 64), float32: the kernel takes 0.6x SDPA's time at
-64-264 tokens (84 vs 131 us at 64, 889 vs 1475 us at 264), 0.8x at 512, and SDPA wins from 768.
-bfloat16 where the kernel has its lanes path (`cpu_native.has_bf16_lanes`, head dims 64 and 128)
-takes every fresh prefill: 0.3-0.5x SDPA's time at every length from 64 to 2048 tokens."""
+"""Fresh prefills (nothing cached before them) longer than this go to SDPA beside the C++ kernel
+where it has no lanes path for them (`cpu_native.rows_in_lanes`: float32 with AVX-512, bfloat16
+with AVX512_BF16, head dims 64 and 128); shorter ones go through the kernel with the rest of the
+step. Measured on the dev machine (AMD EPYC, 2 threads, 9 query / 3 KV heads of 64), float32
+without the lanes path: the kernel takes 0.6x SDPA's time at 64-264 tokens (84 vs 131 us at 64,
+889 vs 1475 us at 264), 0.8x at 512, and SDPA wins from 768. With the lanes path the kernel
+takes every fresh prefill: float32 0.4-0.8x SDPA's time from 64 to 2048 tokens (61 vs 143 us at
+64, 586 vs 1635 us at 264, 32 vs 41 ms at 2048), bfloat16 0.25-0.55x."""
 
 
 def fresh_sdpa_over(dtype: torch.dtype, head_dim: int) -> int | None:
     """Fresh prefills longer than this attend by SDPA on CPU; None: none do."""
-    if dtype == torch.bfloat16 and head_dim in (64, 128) and cpu_native.has_bf16_lanes():
+    if head_dim in (64, 128) and cpu_native.rows_in_lanes(dtype):
         return None
     return FRESH_SDPA_OVER
 

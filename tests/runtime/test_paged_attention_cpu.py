@@ -93,14 +93,15 @@ def test_long_fresh_prefills_take_sdpa_beside_the_kernel(
         assert fresh == [(0, 7), (20, 29)]
 
 
-def test_bfloat16_fresh_prefills_go_through_the_kernel_where_it_has_its_lanes_path() -> None:
+def test_fresh_prefills_go_through_the_kernel_where_it_has_its_lanes_path() -> None:
     from kubeinfer.kernels import cpu_native
     from kubeinfer.runtime.engine.attention import FRESH_SDPA_OVER, fresh_sdpa_over
 
-    assert fresh_sdpa_over(torch.float32, 64) == FRESH_SDPA_OVER
-    assert fresh_sdpa_over(torch.bfloat16, 80) == FRESH_SDPA_OVER
-    lanes = cpu_native.has_bf16_lanes()
-    assert fresh_sdpa_over(torch.bfloat16, 64) == (None if lanes else FRESH_SDPA_OVER)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert fresh_sdpa_over(dtype, 80) == FRESH_SDPA_OVER  # no lanes path for 80
+        want = None if cpu_native.rows_in_lanes(dtype) else FRESH_SDPA_OVER
+        assert fresh_sdpa_over(dtype, 64) == fresh_sdpa_over(dtype, 128) == want
+    assert fresh_sdpa_over(torch.float16, 64) == FRESH_SDPA_OVER
 
 
 @pytest.mark.parametrize("sliding_window", [None, 12])
