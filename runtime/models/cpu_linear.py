@@ -10,15 +10,21 @@ machine (Xeon with AMX, 2 threads), bfloat16: 1.3-2x faster at 16-256 rows, abou
 mixed at 1024 (0.6-1.1x over four layer shapes).
 
 float32, as vLLM's CPU backend does it (oneDNN with prepacked weights): 1.2-1.8x faster than
-MKL's sgemm at 4-32 rows (MKL has a cliff between 2 and 4 rows), even from 64 up, but 1.5-2.5x
-slower at 1-2 rows, where MKL on the plain weight stays: float32 keeps both layouts (twice the
-linear weights' memory) while the plain ones total at most `DUAL_MAX_BYTES`; above that only
-the packed (vLLM's choice). The greedy parity tests with transformers hold with it.
+MKL's sgemm at 4-32 rows (MKL has a cliff between 2 and 4 rows), even from 64 up, but on Intel
+CPUs 1.5-2.5x slower at 1-2 rows, where MKL on the plain weight stays there: float32 keeps both
+layouts (twice the linear weights' memory) while the plain ones total at most `DUAL_MAX_BYTES`;
+above that only the packed (vLLM's choice). Elsewhere MKL takes its generic path: on the AMD
+EPYC dev machine it is 1-3x slower than the packed weights at 1-2 rows (the 49152x576 LM head at
+one row: 10.0 vs 3.4 ms; served float32 at concurrency 1 went at 52 ms per token against vLLM's
+31), so only the packed are kept (`mkl_few_rows`). The greedy parity tests with transformers
+hold with either.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -107,6 +113,27 @@ DUAL_MAX_BYTES = 4 << 30
 """float32 keeps the plain weights beside the packed ones while they total at most this."""
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), "" if unknown."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+@functools.cache
+def mkl_few_rows() -> bool:
+    """float32 runs its 1-2 row calls on MKL with the plain weight: on Intel CPUs only, where
+    MKL's own kernels run (see the module docstring)."""
+    return cpu_vendor() == "GenuineIntel"
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` of `model` by a `PackedLinear`; how many were replaced."""
     targets = [
@@ -117,7 +144,7 @@ def pack_linears(model: nn.Module) -> int:
     ]
     size = sum(c.weight.numel() * c.weight.element_size() for _, _, c in targets)
     keep_plain = bool(targets) and targets[0][2].weight.dtype == torch.float32
-    keep_plain = keep_plain and size <= DUAL_MAX_BYTES
+    keep_plain = keep_plain and size <= DUAL_MAX_BYTES and mkl_few_rows()
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, keep_plain))
     return len(targets)
