@@ -29,16 +29,20 @@ def test_buckets_bound_the_shapes_and_the_padding() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [3, 17, 100, 300])
-def test_padded_rows_give_the_unpadded_result(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 100, 128, 300])
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_padded_rows_give_the_unpadded_result(
+    dtype: torch.dtype, rows: int, lead: tuple[int, ...]
+) -> None:
+    """2-D inputs of a bucket's row count take the direct call; others are padded."""
     if not can_pack(dtype):
         pytest.skip(f"oneDNN packing is not available here for {dtype}")
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=True).to(dtype)
-    x = torch.randn(2, rows, 64).to(dtype)
+    x = torch.randn(*lead, rows, 64).to(dtype)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
     got = PackedLinear(linear)(x)
-    assert got.shape == (2, rows, 48) and got.is_contiguous()
+    assert got.shape == (*lead, rows, 48) and got.is_contiguous()
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
