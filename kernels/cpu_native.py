@@ -19,6 +19,7 @@ chooses that path on purpose.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -51,7 +52,9 @@ def cache_root() -> Path:
     return Path(base) / "ext"
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """The CPU's flags line, read once: the engine asks for every step (`rows_in_lanes`)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):

@@ -240,3 +240,21 @@ def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing() -> None:
     assert not caches[0].any() and not caches[1].any()
     with pytest.raises(KernelInputError, match="dtype"):
         cpu_native.store_kv_cpu(k.double(), v.double(), *caches, torch.tensor([0, 1, 2]))
+
+
+def test_cpu_flags_are_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine step asks `rows_in_lanes`: /proc/cpuinfo is read on the first ask only."""
+    from pathlib import Path
+
+    reads = []
+    real = Path.read_text
+
+    def read_text(self: Path, *args, **kwargs) -> str:  # noqa: ANN002, ANN003
+        reads.append(str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    cpu_native._cpu_flags.cache_clear()
+    first = [cpu_native.rows_in_lanes(torch.bfloat16) for _ in range(3)]
+    assert len(set(first)) == 1
+    assert reads.count("/proc/cpuinfo") <= 1
