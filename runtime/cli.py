@@ -119,6 +119,9 @@ def serve(
     kv_cache_memory_bytes: int | None = typer.Option(None, help="CPU: KV byte budget."),
     enable_prefix_caching: bool | None = typer.Option(None, help="Reuse shared prefixes."),
     kernels: str | None = typer.Option(None, help="auto | torch | triton"),
+    tensor_parallel_size: int | None = typer.Option(
+        None, help="Devices one replica spans (tensor parallelism, a worker process per rank)."
+    ),
     api_key: str | None = typer.Option(
         None,
         help="Require this bearer token on /v1/*.",

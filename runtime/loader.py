@@ -3,8 +3,12 @@
 The model is created on the meta device (no memory), given uninitialized storage on the
 target device, and every checkpoint tensor is read alone with `safe_open`, cast and copied into
 its parameter (or its slice of a fused q/k/v or gate/up parameter). Host memory beyond the
-model's own storage stays near one tensor. Every parameter must be written exactly once; any
-problem raises `ModelLoadError` naming the file and the tensor, and no model is returned.
+model's own storage stays near one tensor. A tensor-parallel rank reads only its slice of each
+sharded tensor (rows through one `get_slice`; a column slice in bands of rows, each band through
+its own `safe_open`, so that the mapped pages it touches stay near `SLICE_BAND_BYTES`): its
+host memory stays near one slice, never the whole checkpoint. Every parameter must be written
+exactly once; any problem raises `ModelLoadError` naming the file and the tensor, and no model
+is returned.
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ import torch
 from safetensors import safe_open
 
 from kubeinfer.runtime.errors import ModelLoadError
-from kubeinfer.runtime.models import LlamaForCausalLM, ModelConfig, build_model
+from kubeinfer.runtime.models import CheckpointTarget, LlamaForCausalLM, ModelConfig, build_model
+from kubeinfer.runtime.models.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[int, int], None]
 """Called as `on_progress(loaded_bytes, total_bytes)` after each tensor."""
 
+SLICE_BAND_BYTES = 32 << 20
+"""Most checkpoint bytes (whole rows) one mapping touches while a column slice is read."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,8 +129,10 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     on_progress: ProgressCallback | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
-    """Build the model of `model_dir` on `device` and stream its weights in."""
+    """Build the model of `model_dir` on `device` and stream its weights in (with `tp`, this
+    rank's shard of them)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"{model_dir}: model folder does not exist")
@@ -133,7 +142,7 @@ def load_model(
     files = checkpoint_files(model_dir)
 
     with torch.device("meta"):
-        model = build_model(config, max_positions).to(torch_dtype)
+        model = build_model(config, max_positions, tp).to(torch_dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own new tensor
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -174,18 +183,23 @@ def _stream_weights(
                         dst = params[target.param_name].data
                         if target.num_rows is not None:
                             dst = dst.narrow(0, target.row_offset, target.num_rows)
+                        shape = _sliced_shape(path, name, shape, target)
                         if shape != list(dst.shape):
                             raise ModelLoadError(
                                 f"{path}: tensor {name!r} has shape {shape}, "
                                 f"the model expects {list(dst.shape)}"
                             )
-                        tensor = _read_one(path, name)
+                        if dst.numel() == 0:  # a vocabulary shard of padding only
+                            loaded[key] = path.name
+                            continue
+                        tensor = _read_one(path, name, target, dst)
                         if not tensor.is_floating_point():
                             raise ModelLoadError(
                                 f"{path}: tensor {name!r} has dtype {tensor.dtype}, "
                                 "not floating point"
                             )
-                        dst.copy_(tensor)
+                        if tensor is not dst:
+                            dst.copy_(tensor)
                         del tensor
                         loaded[key] = path.name
                 done += nbytes
@@ -202,15 +216,49 @@ def _stream_weights(
         on_progress(total, total)
 
 
-def _read_one(path: Path, name: str) -> torch.Tensor:
-    """One tensor, read through its own `safe_open`.
+def _sliced_shape(path: Path, name: str, shape: list[int], target: CheckpointTarget) -> list[int]:
+    """The shape of what `target` reads of a tensor of `shape`: the tensor's, or its slice."""
+    if target.src_len is None:
+        return shape
+    dim = target.src_dim
+    if len(shape) <= dim or (target.src_full is not None and shape[dim] != target.src_full):
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} has shape {shape}, the model expects dimension {dim} "
+            f"of {target.src_full} to split across tensor-parallel ranks"
+        )
+    return [*shape[:dim], target.src_len, *shape[dim + 1 :]]
+
+
+def _read_one(path: Path, name: str, target: CheckpointTarget, dst: torch.Tensor) -> torch.Tensor:
+    """One tensor (or this rank's slice of it), read through its own `safe_open`.
 
     safetensors maps the file and hands out views of the mapping; the pages a view touched stay
     resident until the file is closed. Opening per tensor bounds that to the tensor at hand
-    instead of the whole shard.
+    instead of the whole shard. A column slice (`src_dim` 1) touches every row's pages, so it
+    is read in bands of rows, each through its own `safe_open`, straight into `dst` (which is
+    then returned).
     """
+    if target.src_len is None:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+    a, b = target.src_start, target.src_start + target.src_len
+    if target.src_dim == 0:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return f.get_slice(name)[a:b]
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)
+        tensor_slice = f.get_slice(name)
+        num_rows, row_elements = tensor_slice.get_shape()[:2]
+        element = _ELEMENT_BYTES.get(tensor_slice.get_dtype(), 4)
+    band = max(1, SLICE_BAND_BYTES // max(1, row_elements * element))
+    for lo in range(0, num_rows, band):
+        hi = min(lo + band, num_rows)
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            part = f.get_slice(name)[lo:hi, a:b]
+        if not part.is_floating_point():
+            return part  # the caller names the dtype
+        dst[lo:hi].copy_(part)
+        del part
+    return dst
 
 
 def _shards_of(param_name: str) -> tuple[str, ...]:

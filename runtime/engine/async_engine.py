@@ -79,10 +79,11 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.engine.close()  # tensor-parallel workers, if any
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and self.error is None and self.engine.fault is None
 
     @property
     def num_unfinished(self) -> int:
@@ -151,6 +152,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                if (fault := self.engine.fault) is not None:  # e.g. a tensor-parallel rank
+                    raise fault
                 self._drain_queues()
                 self._last_progress = time.monotonic()
                 if not self.engine.has_unfinished:

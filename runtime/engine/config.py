@@ -35,6 +35,13 @@ class EngineConfig(BaseModel):
     past that, the fault is taken to be the device's, not a request's."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
     """Attention/norm kernels: Triton on CUDA when auto, the torch references elsewhere."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Devices one replica spans (Megatron-style tensor parallelism, one worker process per
+    rank: NCCL on GPUs, gloo on CPU). It must divide the model's attention heads, and its KV
+    heads or be a multiple of them (KV heads are then replicated)."""
+    tp_timeout_s: float = Field(120.0, gt=0.0)
+    """Tensor parallelism: longest wait for a collective or a rank's reply before the engine
+    is failed (a hung or dead rank then fails /health instead of hanging the server)."""
 
 
 def default_batched_tokens(device: str | torch.device, serving: bool = False) -> int:

@@ -216,6 +216,16 @@ class Engine:
         return self._finish(request, [])
 
     @property
+    def fault(self) -> BaseException | None:
+        """A fault found outside a step that stops this engine (a tensor-parallel rank that
+        exited); None while it can serve."""
+        return self.runner.fault
+
+    def close(self) -> None:
+        """Release what outlives the engine object: the tensor-parallel worker processes."""
+        self.runner.close()
+
+    @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

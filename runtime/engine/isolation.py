@@ -11,9 +11,10 @@ What the engine promises when a step raises (issue #14):
   one that samples a token is cleared; one whose solo step raises is the culprit and fails
   with finish_reason "error". A step with a single request is a solo step from the start.
 - A fault that is not a request's: an exception that looks fatal for the device (a CUDA error,
-  a device-side assert, NCCL; not an out-of-memory), or `max_consecutive_step_failures` solo
-  steps in a row that all raise (each a different request, as each failure ends its request),
-  is re-raised, and AsyncEngine stops the engine.
+  a device-side assert, NCCL; not an out-of-memory), any failure of a tensor-parallel step
+  (`RankFailure`: the ranks' collectives are out of step, or a rank is gone), or
+  `max_consecutive_step_failures` solo steps in a row that all raise (each a different request,
+  as each failure ends its request), is re-raised, and AsyncEngine stops the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kubeinfer.runtime.engine.model_runner import ModelRunner
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.sched_output import SchedulerOutput
 from kubeinfer.runtime.engine.scheduler import Scheduler
+from kubeinfer.runtime.engine.tp_workers import RankFailure
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,8 @@ _FATAL_MARKERS = ("CUDA error", "device-side assert", "NCCL")
 
 def is_fatal(error: BaseException) -> bool:
     """True when the device (or the process) cannot be trusted after `error`."""
-    if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit
-        return True
+    if not isinstance(error, Exception) or isinstance(error, RankFailure):
+        return True  # KeyboardInterrupt, SystemExit; a tensor-parallel rank out of step
     if isinstance(error, torch.cuda.OutOfMemoryError):  # a smaller step may well fit
         return False
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_MARKERS)

@@ -20,7 +20,8 @@ Prompt = str | list[int]
 class LLM:
     """`LLM(model_dir, dtype=..., device=..., **engine_args)`; engine_args are EngineConfig's
     fields (`num_kv_blocks`, `block_size`, `max_num_seqs`, `max_num_batched_tokens`,
-    `enable_prefix_caching`, ...)."""
+    `enable_prefix_caching`, `tensor_parallel_size`, ...). With tensor_parallel_size > 1,
+    `close()` (or a `with` block) stops the worker processes."""
 
     def __init__(
         self,
@@ -30,6 +31,16 @@ class LLM:
         **engine_args: Any,
     ) -> None:
         self.engine = Engine(model_dir, EngineConfig(**engine_args), dtype=dtype, device=device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (with one rank there are none)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):  # noqa: ANN201

@@ -17,25 +17,22 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from kubeinfer.runtime.engine.attention import PagedAttention
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.guided import GrammarMatchers
-from kubeinfer.runtime.engine.outputs import TokenLogprob
+from kubeinfer.runtime.engine.model_shard import ModelShard
 from kubeinfer.runtime.engine.penalties import TokenCounts
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.runner_output import RunnerOutput
 from kubeinfer.runtime.engine.sampler import Sampler, SamplingRow, top_logprobs
 from kubeinfer.runtime.engine.sched_output import ScheduledRequest, SchedulerOutput
-from kubeinfer.runtime.engine.staging import HostStaging
+from kubeinfer.runtime.engine.tp_workers import RankFailure, TPWorkers
 from kubeinfer.runtime.engine.validation import check_token_ids
-from kubeinfer.runtime.loader import ProgressCallback, load_model
-from kubeinfer.runtime.models import LlamaForCausalLM
-from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
-from kubeinfer.runtime.models.ops import TORCH_OPS, cpu_native_ops, select_kernels
+from kubeinfer.runtime.loader import ProgressCallback
+from kubeinfer.runtime.models import ModelConfig
+from kubeinfer.runtime.models.parallel import SINGLE, check_tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -55,85 +52,59 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.config = config
-        model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=self.device,
-            max_positions=config.max_model_len,
-            on_progress=on_progress,
-        )
-        self.model: LlamaForCausalLM = model
-        self.ops = select_kernels(config.kernels, self.device)
-        if self.ops is TORCH_OPS and self.device.type == "cpu":
-            self.ops = cpu_native_ops() or TORCH_OPS
-        model.use_kernels(self.ops)
-        self.dtype = model.lm_head.weight.dtype
-        self.max_model_len = model.max_positions
-        mc = model.config
-        self.vocab_size = mc.vocab_size
-        self.num_logits = model.lm_head.weight.shape[0]  # the sampler's row width
-        if (
-            self.device.type == "cpu"
-            and self.ops is not TORCH_OPS  # the C++ kernels are on
-            and can_pack(self.dtype)
-        ):
-            logger.info("prepacked %d linear layers for oneDNN", pack_linears(model))
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            check_tp_size(ModelConfig.from_dir(model_dir), config.tensor_parallel_size)
+            self.workers = TPWorkers(model_dir, config, dtype, self.device)
+        try:
+            tp = self.workers.group if self.workers is not None else SINGLE
+            self.shard = ModelShard(model_dir, config, dtype, self.device, on_progress, tp)
+            if self.workers is not None:
+                self.workers.wait_loaded()
+                num_blocks = config.num_kv_blocks or self.workers.size_kv(
+                    self.shard.blocks_from_memory
+                )
+                self.workers.allocate_kv(num_blocks)
+            else:
+                num_blocks = config.num_kv_blocks or self.shard.blocks_from_memory()
+            self.shard.allocate_kv(num_blocks)
+        except BaseException:
+            self.close()
+            raise
+        model = self.model = self.shard.model
+        self.ops = self.shard.ops
+        self.dtype = self.shard.dtype
+        self.max_model_len = self.shard.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.num_logits = self.vocab_size  # the sampler's row width (every rank's, gathered)
         self.block_size = config.block_size
-        self.bytes_per_block = (
-            2
-            * mc.num_hidden_layers
-            * self.block_size
-            * mc.num_key_value_heads
-            * mc.head_dim
-            * self.dtype.itemsize
-        )
-        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
-        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mc.num_hidden_layers)
-        ]
+        self.bytes_per_block = self.shard.bytes_per_block
+        self.num_blocks = num_blocks
+        self.kv_caches = self.shard.kv_caches
         self.block_tables = BlockTableArray(
             config.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
         self.sampler = Sampler(self.device, config.seed)
         self.token_counts = TokenCounts(self.num_logits, self.device)  # penalties' state
-        self.staging = HostStaging(self.device)  # pinned step metadata on CUDA
         self._generators: dict[str, torch.Generator] = {}
         self.grammar_matchers = GrammarMatchers(self.num_logits)  # guided requests' state
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB)",
+            "KV cache: %d blocks of %d tokens (%.0f MiB%s)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.bytes_per_block / 2**20,
+            f" per rank, {config.tensor_parallel_size} ranks" if self.workers else "",
         )
 
-    def _blocks_from_memory(self) -> int:
-        fraction = self.config.kv_cache_memory_fraction
-        if self.device.type == "cuda":
-            # measure what a full step leaves free, then hand a fraction of it to the cache
-            self._warm_up()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * fraction)
-        else:
-            budget = int(self.config.kv_cache_memory_bytes * fraction)
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes)")
-        return num_blocks
+    @property
+    def fault(self) -> BaseException | None:
+        """A fault of the replica found outside a step (a tensor-parallel rank that exited)."""
+        return self.workers.fault if self.workers is not None else None
 
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        from kubeinfer.runtime.models import CausalAttention
-
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        attn = CausalAttention.for_lengths([n], self.model.attention_scale)
-        self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), attn))
-        torch.cuda.synchronize(self.device)
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its generator, its rows, its grammar matcher)."""
@@ -193,30 +164,45 @@ class ModelRunner:
         rows: list[SamplingRow | None],
     ) -> RunnerOutput:
         """Run one step: a sampled token per scheduled request (None: prefill continues), with
-        the logprobs the requests ask for. `rows` come from `prepare` for the same step."""
+        the logprobs the requests ask for. `rows` come from `prepare` for the same step.
+
+        Under tensor parallelism the workers get the batch and the logits slices first, and
+        every rank makes the same model calls in the same order (ModelShard.run_step); any
+        error in them is a RankFailure (fatal: the ranks are out of step)."""
         batch = build_step_batch(out, block_ids, self.block_size, self.block_tables)
-        self.staging.begin_step()
-        put = self.staging.put
-        attn = PagedAttention(
-            self.kv_caches,
-            batch,
-            self.device,
-            self.model.attention_scale,
-            self.model.config.sliding_window,
-            self.ops,
-            put=put,
-        )
-        hidden = self.model(put(batch.input_ids), put(batch.positions), attn)
-        num_scheduled = len(out.scheduled)
-        result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled)
+        # (request index, prompt positions [lo, hi), their rows [row_lo, row_hi) of hidden)
+        plp: list[tuple[int, int, int, int, int]] = []
         for i, s in enumerate(out.scheduled):
             if s.request.needs_prompt_logprobs:
-                start = int(batch.query_start_loc[i])
-                result.prompt_logprobs[i] = self._prompt_logprobs(s, hidden, start)
+                offset = int(batch.query_start_loc[i]) - s.request.num_computed_tokens
+                plp += [(i, lo, hi, offset + lo, offset + hi) for lo, hi in _prompt_ranges(s)]
         sampling = batch.sample_rows
+        try:
+            if self.workers is not None:
+                self.workers.send(("step", batch, [(a, b) for *_, a, b in plp]))
+            hidden = self.shard.forward(batch)
+            logits = self.shard.sample_logits(hidden, batch) if sampling else None
+            prompt_logits = [self.model.compute_logits(hidden[a:b]) for *_, a, b in plp]
+        except Exception as e:
+            if self.workers is None:
+                raise
+            self.workers.check()  # a rank that exited: its fault names it
+            raise RankFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
+        num_scheduled = len(out.scheduled)
+        result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled)
+        for (i, lo, hi, _, _), part in zip(plp, prompt_logits, strict=True):
+            assert part is not None  # rank 0 holds the gathered logits
+            r = out.scheduled[i].request
+            targets = torch.tensor(r.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
+            num_top = r.sampling_params.prompt_logprobs or 0
+            found = top_logprobs(part.float().log_softmax(dim=-1), targets, [num_top] * (hi - lo))
+            result.prompt_logprobs[i] = (result.prompt_logprobs.get(i) or []) + found
+        for i, s in enumerate(out.scheduled):  # a request with no positions left records none
+            if s.request.needs_prompt_logprobs and i not in result.prompt_logprobs:
+                result.prompt_logprobs[i] = []
         if not sampling:
             return result
-        logits = self.model.compute_logits(hidden[put(np.array(batch.logits_indices))])
+        assert logits is not None
         if self.grammar_matchers.num_matchers:  # guided decoding: forbidden tokens to -inf
             self.grammar_matchers.mask_logits(logits, [out.scheduled[i].request for i in sampling])
         sample_rows = [row for i in sampling if (row := rows[i]) is not None]
@@ -227,26 +213,6 @@ class ModelRunner:
             result.token_ids[i] = sampled.token_ids[j]
             result.logprobs[i] = sampled.logprobs[j]
         return result
-
-    def _prompt_logprobs(
-        self, s: ScheduledRequest, hidden: torch.Tensor, row_start: int
-    ) -> list[TokenLogprob]:
-        """Logprobs of the prompt tokens that this chunk's positions predict (position p
-        predicts token p + 1), past those the request recorded (a recompute adds none), in
-        slices of logits rows. `row_start`: the chunk's first row in `hidden`."""
-        r = s.request
-        start = r.num_computed_tokens
-        first = max(start, len(r.prompt_logprobs) - 1)  # positions before are recorded
-        end = min(start + s.num_new_tokens, len(r.prompt_token_ids) - 1)
-        num_top = r.sampling_params.prompt_logprobs or 0
-        out: list[TokenLogprob] = []
-        for lo in range(first, end, PROMPT_LOGPROBS_ROWS):
-            hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
-            rows = hidden[row_start + lo - start : row_start + hi - start]
-            logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
-            targets = torch.tensor(r.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
-            out += top_logprobs(logprobs, targets, [num_top] * (hi - lo))
-        return out
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
@@ -269,6 +235,19 @@ class ModelRunner:
                 banned += [t for t in request.eos_token_ids if t < self.num_logits]
         penalty_row = self.token_counts.row(request) if params.has_penalties else -1
         return SamplingRow(params, generator, banned, penalty_row)
+
+
+def _prompt_ranges(s: ScheduledRequest) -> list[tuple[int, int]]:
+    """The prompt positions `[lo, hi)` whose logprobs this chunk computes, in slices of
+    PROMPT_LOGPROBS_ROWS: those its positions predict (position p predicts token p + 1), past
+    those the request recorded (a recompute adds none)."""
+    r = s.request
+    start = r.num_computed_tokens
+    first = max(start, len(r.prompt_logprobs) - 1)  # positions before are recorded
+    end = min(start + s.num_new_tokens, len(r.prompt_token_ids) - 1)
+    return [
+        (lo, min(lo + PROMPT_LOGPROBS_ROWS, end)) for lo in range(first, end, PROMPT_LOGPROBS_ROWS)
+    ]
 
 
 def _check_new_prompt_ids(s: ScheduledRequest, vocab_size: int) -> None:

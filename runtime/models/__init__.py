@@ -3,6 +3,7 @@
 from kubeinfer.runtime.models.attention import AttentionBackend, CausalAttention
 from kubeinfer.runtime.models.config import ARCHITECTURES, ModelConfig
 from kubeinfer.runtime.models.llama import CheckpointTarget, LlamaForCausalLM
+from kubeinfer.runtime.models.parallel import SINGLE, TPGroup
 
 __all__ = [
     "ARCHITECTURES",
@@ -15,6 +16,9 @@ __all__ = [
 ]
 
 
-def build_model(config: ModelConfig, max_positions: int | None = None) -> LlamaForCausalLM:
-    """The model for `config` (every supported architecture is the one Llama-family class)."""
-    return LlamaForCausalLM(config, max_positions)
+def build_model(
+    config: ModelConfig, max_positions: int | None = None, tp: TPGroup = SINGLE
+) -> LlamaForCausalLM:
+    """The model for `config` (every supported architecture is the one Llama-family class);
+    with `tp`, that rank's shard of it."""
+    return LlamaForCausalLM(config, max_positions, tp)

@@ -15,6 +15,7 @@ from torch import nn
 
 from kubeinfer.runtime.models.config import ModelConfig, RopeConfig
 from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
+from kubeinfer.runtime.models.parallel import SINGLE, TPGroup, TPLayout
 
 
 class RMSNorm(nn.Module):
@@ -98,18 +99,26 @@ class RotaryEmbedding(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one projection: down(silu(gate(x)) * up(x))."""
+    """SwiGLU with gate and up fused into one projection: down(silu(gate(x)) * up(x)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under tensor parallelism gate/up are column-parallel (this rank's intermediate columns)
+    and down row-parallel: one all-reduce sums the ranks' partial outputs (the bias, on rank 0
+    only, is in the sum once)."""
+
+    def __init__(
+        self, config: ModelConfig, tp: TPGroup = SINGLE, layout: TPLayout | None = None
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        layout = layout or TPLayout.of(config, tp)
+        self.tp = tp
+        self.intermediate_size = layout.intermediate_size
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
         )
         self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias and tp.rank == 0
         )
         self.ops: KernelOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))

@@ -2,7 +2,8 @@
 
 Parameter names follow the HF checkpoints except for two fusions: `self_attn.qkv_proj` holds
 q, k and v stacked along the output dimension, and `mlp.gate_up_proj` holds gate and up.
-`checkpoint_target(name)` tells the loader where a checkpoint tensor goes.
+`checkpoint_target(name)` tells the loader where a checkpoint tensor goes, and under tensor
+parallelism (parallel.py) which slice of it this rank holds.
 """
 
 from __future__ import annotations
@@ -17,35 +18,55 @@ from kubeinfer.runtime.models.attention import AttentionBackend
 from kubeinfer.runtime.models.config import ModelConfig
 from kubeinfer.runtime.models.layers import MLP, RMSNorm, RotaryEmbedding
 from kubeinfer.runtime.models.ops import TORCH_OPS, KernelOps
+from kubeinfer.runtime.models.parallel import (
+    SINGLE,
+    TPGroup,
+    TPLayout,
+    VocabParallelEmbedding,
+)
 
 # Checkpoint tensors that carry nothing we need (rotary caches some exporters save).
 IGNORED_TENSORS = re.compile(r".*(rotary_emb\.inv_freq|rotary_emb\.(cos|sin)_cached)$")
 _STACKED = re.compile(r"^(.*)\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_ROW_PARALLEL = re.compile(r"^(.*)\.(?:self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 
 
 @dataclass(frozen=True, slots=True)
 class CheckpointTarget:
-    """Rows `[row_offset, row_offset + num_rows)` of parameter `param_name` (all rows if None)."""
+    """Rows `[row_offset, row_offset + num_rows)` of parameter `param_name` (all rows if None)
+    take the checkpoint tensor, or with `src_len` set its slice `[src_start, src_start +
+    src_len)` along `src_dim` (a tensor-parallel rank's part; the dimension must be `src_full`
+    long in the checkpoint)."""
 
     param_name: str
     row_offset: int = 0
     num_rows: int | None = None
     shard: str = ""
+    src_dim: int = 0
+    src_start: int = 0
+    src_len: int | None = None
+    src_full: int | None = None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """This rank's heads (all of them with one rank): q/k/v column-parallel, o_proj
+    row-parallel with one all-reduce (its bias on rank 0 only)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, layout: TPLayout) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = nn.Linear(
+            self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -65,16 +86,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = attn.forward(self.layer_idx, q, k, v)  # (T, H, D)
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(num_tokens, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup, layout: TPLayout) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, tp, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp, layout)
 
     def forward(
         self,
@@ -96,16 +117,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp: TPGroup, layout: TPLayout
+    ) -> None:
         super().__init__()
-        # `_weight` skips the random init, which is slow even on the meta device.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-        )
+        self.embed_tokens: nn.Module
+        if tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
+        else:
+            # `_weight` skips the random init, which is slow even on the meta device.
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size),
+            )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp, layout) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope)
@@ -124,14 +151,21 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids (T,), positions (T,), attn) -> hidden (T, hidden)`;
-    `compute_logits(hidden) -> (T, vocab)` so the engine projects only the tokens it samples."""
+    `compute_logits(hidden) -> (T, vocab)` so the engine projects only the tokens it samples.
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    With `tp` of N > 1 ranks this is one rank's shard (parallel.py): every rank runs forward
+    and compute_logits in lockstep; the logits come back on rank 0 (None on the others)."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int | None = None, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.layout = TPLayout.of(config, tp)
         self.max_positions = max_positions or config.max_position_embeddings
-        self.model = DecoderModel(config, self.max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, self.max_positions, tp, self.layout)
+        self.lm_head = nn.Linear(config.hidden_size, self.layout.vocab_rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.ops: KernelOps = TORCH_OPS
@@ -145,8 +179,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if self.tp.size == 1:
+            return self.lm_head(hidden)
+        logits = self.tp.gather_last_dim(self.lm_head(hidden))
+        return None if logits is None else logits[:, : self.config.vocab_size]
 
     def use_kernels(self, ops: KernelOps) -> None:
         """Route every norm, rotary and activation through `ops` (Triton or torch)."""
@@ -156,29 +193,60 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
 
     def materialize(self, device: torch.device) -> None:
-        """Compute the non-parameter state (the rotary cache) once weights have real storage."""
+        """Compute the non-parameter state (the rotary cache) once weights have real storage,
+        and zero a vocabulary shard's padding rows (past the vocabulary, never read)."""
         self.model.rotary_emb.materialize(device)
+        real = self.layout.num_real_vocab_rows
+        with torch.no_grad():
+            self.lm_head.weight[real:].zero_()
+            self.model.embed_tokens.weight[real:].zero_()
 
     def checkpoint_target(self, name: str) -> CheckpointTarget | None:
-        """Where checkpoint tensor `name` goes; None for a tensor to skip on purpose."""
+        """Where checkpoint tensor `name` goes (and which slice of it, on a tensor-parallel
+        rank); None for a tensor to skip on purpose."""
         if IGNORED_TENSORS.match(name):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None  # tied: embed_tokens is the one copy
+        c, lay, tp = self.config, self.layout, self.tp
         m = _STACKED.match(name)
         if m is None:
-            return CheckpointTarget(name)
+            if tp.size == 1:
+                return CheckpointTarget(name)
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary rows
+                real = lay.num_real_vocab_rows
+                return CheckpointTarget(
+                    name, 0, real, src_start=lay.vocab_start, src_len=real, src_full=c.vocab_size
+                )
+            row_parallel = _ROW_PARALLEL.match(name)
+            if row_parallel is None:
+                return CheckpointTarget(name)  # norms: replicated
+            if row_parallel.group(2) == "bias":
+                return CheckpointTarget(name) if tp.rank == 0 else None  # summed once
+            if "self_attn" in name:
+                size, full = lay.num_heads * c.head_dim, c.num_attention_heads * c.head_dim
+                start = lay.head_start * c.head_dim
+            else:
+                size, full = lay.intermediate_size, c.intermediate_size
+                start = lay.intermediate_start
+            return CheckpointTarget(name, src_dim=1, src_start=start, src_len=size, src_full=full)
         prefix, _, qkv, gate_up, kind = m.groups()
-        c = self.config
+        d = c.head_dim
         if qkv:
-            q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            offset, rows = {
-                "q": (0, q_size),
-                "k": (q_size, kv_size),
-                "v": (q_size + kv_size, kv_size),
+            q_size, kv_size = lay.num_heads * d, lay.num_kv_heads * d
+            offset, rows, start, full = {
+                "q": (0, q_size, lay.head_start * d, c.num_attention_heads * d),
+                "k": (q_size, kv_size, lay.kv_head_start * d, c.num_key_value_heads * d),
+                "v": (q_size + kv_size, kv_size, lay.kv_head_start * d, c.num_key_value_heads * d),
             }[qkv]
-            return CheckpointTarget(f"{prefix}.self_attn.qkv_proj.{kind}", offset, rows, qkv)
-        offset = 0 if gate_up == "gate" else c.intermediate_size
+            param = f"{prefix}.self_attn.qkv_proj.{kind}"
+        else:
+            rows, start, full = lay.intermediate_size, lay.intermediate_start, c.intermediate_size
+            offset = 0 if gate_up == "gate" else rows
+            param = f"{prefix}.mlp.gate_up_proj.{kind}"
+        shard = qkv or gate_up
+        if tp.size == 1:
+            return CheckpointTarget(param, offset, rows, shard)
         return CheckpointTarget(
-            f"{prefix}.mlp.gate_up_proj.{kind}", offset, c.intermediate_size, gate_up
+            param, offset, rows, shard, src_start=start, src_len=rows, src_full=full
         )

@@ -38,6 +38,8 @@ class ServerSettings(BaseSettings):
     kv_cache_memory_bytes: int = Field(2 << 30, ge=1 << 20)
     enable_prefix_caching: bool = True
     kernels: Literal["auto", "torch", "triton"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Devices (ranks) one replica spans, one worker process each; see EngineConfig."""
     api_key: SecretStr | None = None
     """When set, /v1/* requests need `Authorization: Bearer <key>` (empty or blank: refused)."""
     max_request_bytes: int | None = Field(None, ge=1024)
@@ -109,4 +111,5 @@ class ServerSettings(BaseSettings):
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             kernels=self.kernels,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
