@@ -42,6 +42,11 @@ def child(mode: str, model_dir: str) -> None:
     start = time.perf_counter()
     if mode == "ours":
         model = load_model(model_dir, dtype="float32", device="cpu")
+    elif mode.startswith("ours-tp"):  # rank 1 of N's shard (`ours-tp2`); loading needs no group
+        from kubeinfer.runtime.models.parallel import TPGroup
+
+        tp = TPGroup(1, int(mode.removeprefix("ours-tp")))
+        model = load_model(model_dir, dtype="float32", device="cpu", tp=tp)
     else:
         from safetensors.torch import load_file
 

@@ -82,6 +82,12 @@ class AsyncEngine:
         self.engine.close()  # tensor-parallel workers, if any
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the engine can serve no more: the loop's error, or a fault found outside a step
+        (a tensor-parallel rank that exited, seen before the loop raises it); None while up."""
+        return self.error if self.error is not None else self.engine.fault
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.error is None and self.engine.fault is None
 

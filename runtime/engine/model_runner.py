@@ -186,7 +186,7 @@ class ModelRunner:
         except Exception as e:
             if self.workers is None:
                 raise
-            self.workers.check()  # a rank that exited: its fault names it
+            self.workers.check(wait_s=1.0)  # a rank that exited: its fault names it
             raise RankFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
         num_scheduled = len(out.scheduled)
         result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled)

@@ -10,13 +10,14 @@ gloo on CPU, over loopback) and the logits are gathered on rank 0.
 Failure is whole: a rank that dies (any exit, a kill), raises, or hangs past `tp_timeout_s`
 fails the replica. A monitor thread watches the workers' process sentinels; on the first exit
 it kills the others (which breaks any collective the driver is in) and records a RankFailure,
-which the engine raises and the server turns into a failed /health, so the pod restarts. A
-worker whose parent dies gets SIGKILL (PR_SET_PDEATHSIG), so no rank outlives its driver.
+which the engine raises and the server turns into a failed /health, so the pod restarts. No
+rank outlives its driver: its pipe's end (or a collective's broken peer) ends it, and a
+watchdog thread exits it once its parent is gone. (Not PR_SET_PDEATHSIG: that fires when the
+*thread* that started the worker ends, and the server loads the engine on a thread of its own.)
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -36,7 +37,8 @@ from kubeinfer.runtime.models.parallel import TensorParallelError, TPGroup
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+ORPHAN_CHECK_S = 1.0
+"""How often a worker checks that its driver is still its parent."""
 
 
 class RankFailure(RuntimeError):
@@ -112,7 +114,7 @@ class TPWorkers:
                 proc = ctx.Process(
                     target=_worker_main,
                     args=(rank, size, self.store.port, str(model_dir), config, dtype, device)
-                    + (child,),
+                    + (child, os.getpid()),
                     name=f"kubeinfer-tp-rank-{rank}",
                     daemon=True,
                 )
@@ -186,7 +188,12 @@ class TPWorkers:
         except (OSError, EOFError) as e:
             raise RankFailure(f"a tensor-parallel rank is gone ({e})") from None
 
-    def check(self) -> None:
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise the recorded fault (a rank that exited). `wait_s`: after a failed collective,
+        how long to give the monitor to notice a rank that died, so that the error names it."""
+        deadline = time.monotonic() + wait_s
+        while self.fault is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         if self.fault is not None:
             raise self.fault
 
@@ -258,12 +265,15 @@ def _rank_error(rank: int, kind: str, text: str) -> Exception:
     return RankFailure(f"{message} ({kind})")
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the daemon flag and the pipe's EOF remain
-        pass
+def _exit_when_orphaned(parent: int) -> None:
+    """A daemon thread that exits the process once `parent` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 def _worker_main(
@@ -275,13 +285,12 @@ def _worker_main(
     dtype: str | torch.dtype,
     device: torch.device,
     conn: Connection,
+    parent: int,
 ) -> None:
     """A worker rank's life: join the group, load its shard, size and allocate its KV cache in
     step with the driver, then run each step the driver sends until "stop" (or its pipe's end)."""
-    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
-    if os.getppid() == 1:  # the driver died before the death signal was armed
-        os._exit(1)
+    _exit_when_orphaned(parent)
     import torch.distributed as dist
 
     from kubeinfer.runtime.engine.model_shard import ModelShard

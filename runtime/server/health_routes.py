@@ -19,13 +19,14 @@ def get_state(request: Request) -> ServerState:
 @router.get("/health")
 async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
     """Liveness: 200 while the process can serve or is loading; 503 once loading or the engine
-    failed, or while the engine has work but has finished no step for `engine_stall_timeout`
-    (a hung engine: the liveness probe restarts the pod). A hung load is the startup probe's
-    (it asks /ready, within the operator's startup budget)."""
+    failed (a tensor-parallel rank that exited included), or while the engine has work but has
+    finished no step for `engine_stall_timeout` (a hung engine: the liveness probe restarts the
+    pod). A hung load is the startup probe's (it asks /ready, within the operator's startup
+    budget)."""
     if state.load_error is not None:
         return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
-    if state.engine is not None and state.engine.error is not None:
-        return JSONResponse({"status": "failed", "error": str(state.engine.error)}, status_code=503)
+    if state.engine is not None and (failure := state.engine.failure) is not None:
+        return JSONResponse({"status": "failed", "error": str(failure)}, status_code=503)
     if (stalled := state.stalled_for()) is not None:
         body = {"status": "stalled", "error": f"no engine step finished for {stalled:.0f}s"}
         return JSONResponse(body, status_code=503)

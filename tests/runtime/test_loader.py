@@ -227,3 +227,20 @@ def test_peak_memory_stays_near_one_tensor(tmp_path: Path) -> None:
     overhead = r["peak_bytes"] - r["baseline_bytes"] - r["model_bytes"]
     budget = r["largest_param_bytes"] + 64 * 2**20
     assert overhead < budget, f"overhead {overhead / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
+
+
+def test_tensor_parallel_rank_peak_memory_stays_near_one_slice(tmp_path: Path) -> None:
+    """Rank 1 of 2 of the same ~300 MB checkpoint: it holds half the model, and its peak RSS
+    over that stays under its largest slice + 64 MB; column slices (o_proj, down_proj) are
+    read in bands of rows, so no whole tensor is ever mapped in at once."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import loader as bench_loader  # bench/loader.py
+
+    model_dir = tmp_path / "ckpt"
+    bench_loader.make_checkpoint(model_dir, hidden=1024, layers=3, vocab=16000)
+    full = bench_loader.measure("ours", model_dir)
+    r = bench_loader.measure("ours-tp2", model_dir)
+    assert abs(r["model_bytes"] / full["model_bytes"] - 0.5) < 0.02
+    overhead = r["peak_bytes"] - r["baseline_bytes"] - r["model_bytes"]
+    budget = r["largest_param_bytes"] + 64 * 2**20
+    assert overhead < budget, f"overhead {overhead / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB"
