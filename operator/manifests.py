@@ -1,7 +1,8 @@
 """What should exist for one InferenceModel: `render(model, config) -> list[manifest]` (pure).
 
 A Deployment of the runtime (the runtime contract of DESIGN.md: command, POD_IP, probes, GPU
-limits, a read-only model volume, a locked-down security context, a zero-downtime rollout by
+limits and the tensor-parallel size, a read-only model volume, a memory-backed /dev/shm for the
+ranks' worker processes, a locked-down security context, a zero-downtime rollout by
 default, SIGTERM timings and grace period in step with the readiness probe), a Service (port
 8000, named http: the model's endpoint), when more than one replica is asked for, a
 PodDisruptionBudget, and in routing mode `router` (the default) the model's router
@@ -52,8 +53,10 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: `kubeinfer serve` flags the operator sets and `spec.runtime.extraArgs` must not: the address
 #: and ports the probes, Services and the autoscaler rely on, the model and its name, the API
-#: key (from apiKeySecretRef only), the SIGTERM timings the grace period is computed from, and
-#: the runtime's test hook. The CRD refuses them with a CEL rule (a test keeps both in step).
+#: key (from apiKeySecretRef only), the SIGTERM timings the grace period is computed from, the
+#: tensor-parallel size (from spec.runtime.tensorParallelSize, which the CRD checks against
+#: resources.gpus), and the runtime's test hook. The CRD refuses them with a CEL rule (a test
+#: keeps both in step).
 MANAGED_FLAGS = (
     "--model",
     "--served-model-name",
@@ -63,6 +66,7 @@ MANAGED_FLAGS = (
     "--api-key",
     "--shutdown-delay",
     "--drain-timeout",
+    "--tensor-parallel-size",
     "--metrics-fault-file",
 )
 #: The downward-API variables the operator sets (`--host $(POD_IP)`) and the managed flags as
@@ -300,6 +304,7 @@ def runtime_args(
         "--max-num-batched-tokens", str(rt.max_num_batched_tokens),
         "--kv-cache-memory-fraction", f"{rt.kv_cache_memory_fraction:g}",
         "--enable-prefix-caching" if rt.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--shutdown-delay", str(config.shutdown_delay_s),
         "--drain-timeout", str(config.drain_timeout_s),
         *rt.extra_args,
@@ -420,6 +425,11 @@ def _volumes(source: ModelSource, config: OperatorSettings) -> list[dict[str, An
         model = {"name": "model", "emptyDir": {}}
     return [
         model,
+        # A container runtime's own /dev/shm is 64 MiB: too small for NCCL's shared-memory
+        # transport and torch's inter-process tensors between tensor-parallel ranks. A tmpfs
+        # sizeLimit is a cap, not a reservation (pages count against the memory limit as they
+        # are used), so one size for every tensorParallelSize; KUBEINFER_OPERATOR_SHM_SIZE
+        # raises it.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
         {"name": "tmp", "emptyDir": {}},
     ]

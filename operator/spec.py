@@ -53,6 +53,9 @@ class RuntimeSpec(_Spec):
     enable_prefix_caching: bool = Field(True, alias="enablePrefixCaching")
     extra_args: list[str] = Field(default_factory=list, alias="extraArgs")
     env: list[EnvVar] = Field(default_factory=list)
+    #: ranks (one worker process each) one replica's model is split across; None: one per GPU
+    #: (resources.gpus), 1 on CPU. It must divide resources.gpus when there are GPUs.
+    tensor_parallel_size: int | None = Field(None, alias="tensorParallelSize", ge=1, le=64)
 
 
 class ResourcesSpec(_Spec):
@@ -155,6 +158,14 @@ class InferenceModelSpec(_Spec):
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     api_key_secret_ref: SecretKeyRef = Field(default_factory=SecretKeyRef, alias="apiKeySecretRef")
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The ranks `kubeinfer serve --tensor-parallel-size` gets: spec.runtime's when set,
+        else one per GPU of resources.gpus, else (a CPU pod) 1."""
+        if self.runtime.tensor_parallel_size is not None:
+            return self.runtime.tensor_parallel_size
+        return max(1, self.resources.gpus)
+
 
 @dataclass(slots=True, frozen=True)
 class ModelSource:
@@ -248,6 +259,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
             "spec.autoscaling.minReplicas 0 needs spec.routing.mode router (the router holds "
             "requests while no replica runs, and its held demand scales the model from zero)"
         )
+    check_tensor_parallel(parsed)
     names = [parsed.autoscaling.metric] + [m.metric for m in parsed.autoscaling.additional_metrics]
     if len(set(names)) != len(names):
         raise InvalidSpecError(
@@ -255,3 +267,15 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceModelSpec:
             "autoscaling.metric"
         )
     return parsed
+
+
+def check_tensor_parallel(spec: InferenceModelSpec) -> None:
+    """InvalidSpecError unless spec.runtime.tensorParallelSize divides resources.gpus (GPU
+    pods: every rank takes a whole GPU, and the pod holds whole groups of ranks); on CPU (gpus
+    0) any size goes, the ranks then talking over gloo. The CRD refuses the same with CEL."""
+    tp, gpus = spec.runtime.tensor_parallel_size, spec.resources.gpus
+    if tp is not None and gpus > 0 and gpus % tp != 0:
+        raise InvalidSpecError(
+            f"spec.runtime.tensorParallelSize {tp} must divide spec.resources.gpus {gpus} "
+            "(each tensor-parallel rank takes one whole GPU)"
+        )

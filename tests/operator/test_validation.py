@@ -95,6 +95,24 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.runtime.env[0]",
     ),
     ("17 gpus", with_spec("spec.resources", {"gpus": 17}), "spec.resources.gpus"),
+    *(
+        (
+            f"tensor parallel {tp} on {gpus} gpus",
+            {**VALID, "spec": {**VALID["spec"], "runtime": {"tensorParallelSize": tp},
+                               "resources": {"gpus": gpus}}},
+            "spec.runtime.tensorParallelSize",
+        )
+        for gpus, tp in ((4, 3), (2, 4), (6, 4), (1, 2), (16, 32))
+    ),  # fmt: skip
+    (
+        "tensor parallel beside the default gpus",
+        with_spec("spec.runtime", {"tensorParallelSize": 2}),
+        "spec.runtime.tensorParallelSize",
+    ),
+    ("tensor parallel 0", with_spec("spec.runtime", {"tensorParallelSize": 0}),
+     "spec.runtime.tensorParallelSize"),  # fmt: skip
+    ("tensor parallel 65", with_spec("spec.runtime", {"tensorParallelSize": 65}),
+     "spec.runtime.tensorParallelSize"),  # fmt: skip
     (
         "memory not a quantity",
         with_spec("spec.resources", {"memory": "lots"}),
@@ -300,6 +318,19 @@ def test_routing_and_scale_to_zero_are_accepted(
 ) -> None:
     body = copy.deepcopy(VALID)
     body["spec"].update(spec)
+    wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "tp"),
+    [(4, None), (4, 4), (4, 2), (4, 1), (16, 8), (1, 1), (0, 1), (0, 4), (0, 64)],
+)
+def test_tensor_parallel_sizes_that_fit_the_gpus_are_accepted(
+    dev_cluster: DevClusterHandle, crd_ns: str, gpus: int, tp: int | None
+) -> None:
+    runtime = {} if tp is None else {"tensorParallelSize": tp}
+    body = copy.deepcopy(VALID)
+    body["spec"].update({"runtime": runtime, "resources": {"gpus": gpus}})
     wait_for(lambda: _create(dev_cluster, crd_ns, body) or True, timeout_s=30, what="dry run")
 
 
