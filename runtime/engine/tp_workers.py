@@ -50,8 +50,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def threads_per_rank(size: int) -> int:
-    """CPU threads for each of `size` ranks sharing this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """CPU threads for each of `size` ranks sharing the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // size)
 
 
 def check_devices(device: torch.device, size: int) -> None:

@@ -198,3 +198,33 @@ def test_layout_replicates_kv_heads_when_fewer_than_ranks() -> None:
     assert [lay.kv_head_start for lay in layouts] == [0, 0, 1, 1]
     assert {lay.num_kv_heads for lay in layouts} == {1}
     assert [lay.head_start for lay in layouts] == [0, 2, 4, 6]
+
+
+# a rank that hangs
+
+
+def test_a_hung_rank_fails_the_step_after_the_timeout(tiny_models: dict[str, Path]) -> None:
+    """A stopped worker (SIGSTOP: alive, silent) makes the driver's next collective time out
+    after tp_timeout_s: the step raises a fatal RankFailure instead of hanging."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    from kubeinfer.runtime.engine.isolation import is_fatal
+    from kubeinfer.runtime.engine.tp_workers import RankFailure
+
+    with LLM(tiny_models["llama-gqa"], dtype="float32", tensor_parallel_size=2,
+             num_kv_blocks=64, tp_timeout_s=3) as llm:  # fmt: skip
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
+        (worker,) = [p for p in mp.active_children() if p.name == "kubeinfer-tp-rank-1"]
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RankFailure) as failure:
+                llm.generate([[5, 6, 7, 8]], GREEDY)
+            took = time.monotonic() - start
+        finally:
+            os.kill(worker.pid, signal.SIGKILL)
+        assert is_fatal(failure.value)
+        assert 2.5 < took < 30, took

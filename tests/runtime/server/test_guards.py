@@ -67,6 +67,7 @@ class _Engine(SimpleNamespace):
 
     is_running = True
     error = None
+    failure = None
     num_queued = 0
     num_queued_tokens = 0
     seconds_since_progress = 0.0
