@@ -25,7 +25,8 @@ class EngineConfig(BaseModel):
     kv_cache_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     """GPU: fraction of free memory (after a warm-up) for KV; CPU: of kv_cache_memory_bytes."""
     kv_cache_memory_bytes: int = Field(2 << 30, ge=1 << 20)
-    """CPU only: the byte budget the fraction applies to."""
+    """CPU only: the byte budget the fraction applies to (per tensor-parallel rank, as vLLM's
+    CPU workers each take VLLM_CPU_KVCACHE_SPACE)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes across requests."""
     seed: int = 0

@@ -81,22 +81,28 @@ class Engine:
             Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         )
         self.runner = ModelRunner(model_dir, self.config, dtype, device, on_progress)
-        self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(
-            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            self.max_model_len,
-        )
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.eos_token_ids = eos or frozenset(self.runner.model.config.eos_token_ids)
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.num_logits, self.eos_token_ids)
-        self.failures = StepFailures(
-            self.scheduler, self.runner, self.config.max_consecutive_step_failures
-        )
+        try:
+            self.max_model_len = self.runner.max_model_len
+            self.kv_cache = KVCacheManager(
+                self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            )
+            self.scheduler = Scheduler(
+                self.kv_cache,
+                self.config.max_num_seqs,
+                self.config.max_num_batched_tokens,
+                self.max_model_len,
+            )
+            eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
+            self.eos_token_ids = eos or frozenset(self.runner.model.config.eos_token_ids)
+            self.grammars = GrammarCompiler(
+                self.tokenizer, self.runner.num_logits, self.eos_token_ids
+            )
+            self.failures = StepFailures(
+                self.scheduler, self.runner, self.config.max_consecutive_step_failures
+            )
+        except BaseException:
+            self.runner.close(polite=False)  # no tensor-parallel worker outlives a failed start
+            raise
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, OutputText] = {}

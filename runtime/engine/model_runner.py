@@ -22,7 +22,8 @@ import torch
 from kubeinfer.runtime.engine.batch import BlockTableArray, build_step_batch
 from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.guided import GrammarMatchers
-from kubeinfer.runtime.engine.model_shard import ModelShard
+from kubeinfer.runtime.engine.model_shard import PROMPT_LOGPROBS_ROWS, ModelShard
+from kubeinfer.runtime.engine.outputs import TokenLogprob
 from kubeinfer.runtime.engine.penalties import TokenCounts
 from kubeinfer.runtime.engine.request import Request
 from kubeinfer.runtime.engine.runner_output import RunnerOutput
@@ -36,9 +37,7 @@ from kubeinfer.runtime.models.parallel import SINGLE, check_tp_size
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGPROBS_ROWS = 256
-"""Prompt positions per logits slice when computing prompt logprobs: (256, vocab) float32 is
-50 MB for a 49k vocabulary, where a whole 2048-token chunk at once would be 400 MB."""
+
 
 
 class ModelRunner:
@@ -69,7 +68,7 @@ class ModelRunner:
                 num_blocks = config.num_kv_blocks or self.shard.blocks_from_memory()
             self.shard.allocate_kv(num_blocks)
         except BaseException:
-            self.close()
+            self.close(polite=False)
             raise
         model = self.model = self.shard.model
         self.ops = self.shard.ops
@@ -101,10 +100,10 @@ class ModelRunner:
         """A fault of the replica found outside a step (a tensor-parallel rank that exited)."""
         return self.workers.fault if self.workers is not None else None
 
-    def close(self) -> None:
+    def close(self, polite: bool = True) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank)."""
         if self.workers is not None:
-            self.workers.close()
+            self.workers.close(polite)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its generator, its rows, its grammar matcher)."""
@@ -182,21 +181,17 @@ class ModelRunner:
                 self.workers.send(("step", batch, [(a, b) for *_, a, b in plp]))
             hidden = self.shard.forward(batch)
             logits = self.shard.sample_logits(hidden, batch) if sampling else None
-            prompt_logits = [self.model.compute_logits(hidden[a:b]) for *_, a, b in plp]
+            prompt_logprobs: dict[int, list[TokenLogprob]] = {}
+            for i, lo, hi, a, b in plp:  # one slice's logits alive at a time
+                found = self._slice_logprobs(out.scheduled[i].request, hidden[a:b], lo, hi)
+                prompt_logprobs[i] = prompt_logprobs.get(i, []) + found
         except Exception as e:
             if self.workers is None:
                 raise
             self.workers.check(wait_s=1.0)  # a rank that exited: its fault names it
             raise RankFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
         num_scheduled = len(out.scheduled)
-        result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled)
-        for (i, lo, hi, _, _), part in zip(plp, prompt_logits, strict=True):
-            assert part is not None  # rank 0 holds the gathered logits
-            r = out.scheduled[i].request
-            targets = torch.tensor(r.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
-            num_top = r.sampling_params.prompt_logprobs or 0
-            found = top_logprobs(part.float().log_softmax(dim=-1), targets, [num_top] * (hi - lo))
-            result.prompt_logprobs[i] = (result.prompt_logprobs.get(i) or []) + found
+        result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled, prompt_logprobs)
         for i, s in enumerate(out.scheduled):  # a request with no positions left records none
             if s.request.needs_prompt_logprobs and i not in result.prompt_logprobs:
                 result.prompt_logprobs[i] = []
@@ -213,6 +208,18 @@ class ModelRunner:
             result.token_ids[i] = sampled.token_ids[j]
             result.logprobs[i] = sampled.logprobs[j]
         return result
+
+    def _slice_logprobs(
+        self, r: Request, rows: torch.Tensor, lo: int, hi: int
+    ) -> list[TokenLogprob]:
+        """Logprobs of prompt tokens lo + 1 .. hi from the hidden rows of positions lo .. hi - 1
+        (their logits: on every rank at once under tensor parallelism, gathered on rank 0)."""
+        logits = self.model.compute_logits(rows)
+        if logits is None:
+            raise RankFailure("rank 0 got no gathered logits")
+        targets = torch.tensor(r.prompt_token_ids[lo + 1 : hi + 1], device=self.device)
+        num_top = r.sampling_params.prompt_logprobs or 0
+        return top_logprobs(logits.float().log_softmax(dim=-1), targets, [num_top] * (hi - lo))
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params

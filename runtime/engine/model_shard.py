@@ -27,6 +27,10 @@ from kubeinfer.runtime.models.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions per logits slice when computing prompt logprobs: (256, vocab) float32 is
+50 MB for a 49k vocabulary, where a whole 2048-token chunk at once would be 400 MB."""
+
 
 class ModelShard:
     def __init__(
@@ -78,7 +82,8 @@ class ModelShard:
 
     def blocks_from_memory(self) -> int:
         """KV blocks this rank's memory holds: on CUDA a fraction of what a full step (a
-        warm-up, which every rank runs at once) leaves free; on CPU of the configured bytes."""
+        warm-up, which every rank runs at once) leaves free; on CPU of the configured bytes
+        (per rank, as vLLM's CPU workers each take VLLM_CPU_KVCACHE_SPACE)."""
         fraction = self.config.kv_cache_memory_fraction
         if self.device.type == "cuda":
             self._warm_up()
@@ -110,7 +115,9 @@ class ModelShard:
         n = min(self.config.max_num_batched_tokens or 8192, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         attn = CausalAttention.for_lengths([n], self.model.attention_scale)
-        self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), attn))
+        hidden = self.model(ids, torch.arange(n, device=self.device), attn)
+        # the most logits rows a step holds: its sampled rows, or one prompt-logprobs slice
+        self.model.compute_logits(hidden[: max(self.config.max_num_seqs, PROMPT_LOGPROBS_ROWS)])
         torch.cuda.synchronize(self.device)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:

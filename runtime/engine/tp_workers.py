@@ -8,7 +8,9 @@ will ask for, then runs its own share; the ranks meet in the model's collectives
 gloo on CPU, over loopback) and the logits are gathered on rank 0.
 
 Failure is whole: a rank that dies (any exit, a kill), raises, or hangs past `tp_timeout_s`
-fails the replica. A monitor thread watches the workers' process sentinels; on the first exit
+fails the replica (on NCCL a collective left waiting on a dead peer may instead end in the
+NCCL watchdog's abort of the process after the timeout: the same outcome, a restarted pod).
+A monitor thread watches the workers' process sentinels; on the first exit
 it kills the others (which breaks any collective the driver is in) and records a RankFailure,
 which the engine raises and the server turns into a failed /health, so the pod restarts. No
 rank outlives its driver: its pipe's end (or a collective's broken peer) ends it, and a
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -112,6 +115,7 @@ class TPWorkers:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        self.senders: list[_Sender] = []
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
@@ -126,17 +130,16 @@ class TPWorkers:
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
+                self.senders.append(_Sender(parent, rank, self._send_failed))
             self._expect_all("hello")
             torch.set_num_threads(threads_per_rank(size))
             dist.init_process_group(
                 backend_for(device), store=self.store, rank=0, world_size=size, timeout=timeout
             )
         except BaseException:
-            self._kill()
+            self.close(polite=False)
             raise
         self.group = TPGroup(0, size, dist.group.WORLD)
-        self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
-        self._monitor.start()
 
     # start-up handshake
 
@@ -179,18 +182,26 @@ class TPWorkers:
         return min([mine, *self._expect_all("blocks")])
 
     def allocate_kv(self, num_blocks: int) -> None:
+        """Every rank allocates its KV cache; then the monitor starts watching the workers (it
+        reads their pipes once it sees one exit, so not during the handshakes above, whose
+        reads see an exit themselves)."""
         self.send(("allocate", num_blocks))
         self._expect_all("ready")
+        threading.Thread(target=self._watch, name="tp-monitor", daemon=True).start()
 
     # steps
 
     def send(self, msg: tuple[Any, ...]) -> None:
+        """Queue `msg` for every worker. Each worker's pipe is written by a sender thread of
+        its own, so that a hung worker with a full pipe never blocks the driver: the driver
+        goes on into the step's first collective, which times out after tp_timeout_s."""
         self.check()
-        try:
-            for conn in self.conns:
-                conn.send(msg)
-        except (OSError, EOFError) as e:
-            raise RankFailure(f"a tensor-parallel rank is gone ({e})") from None
+        for sender in self.senders:
+            sender.queue.put(msg)
+
+    def _send_failed(self, rank: int, error: BaseException) -> None:
+        if self.fault is None and not self._closing:
+            self.fault = RankFailure(f"tensor-parallel rank {rank} is gone (its pipe: {error})")
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raise the recorded fault (a rank that exited). `wait_s`: after a failed collective,
@@ -230,23 +241,26 @@ class TPWorkers:
             if proc.is_alive():
                 proc.kill()
 
-    def close(self) -> None:
-        """Stop every worker (a polite "stop", then a kill) and leave the process group."""
+    def close(self, polite: bool = True) -> None:
+        """Stop every worker (a polite "stop" unless a rank failed or `polite` is False, then
+        a kill, within one deadline) and leave the process group."""
         import torch.distributed as dist
 
         if self._closing:
             return
         self._closing = True
-        for conn in self.conns:
-            try:
-                conn.send(("stop",))
-            except (OSError, EOFError):
-                pass
-        for proc in self.procs:
-            proc.join(5)
+        if polite and self.fault is None:
+            for sender in self.senders:
+                sender.queue.put(("stop",))
+            deadline = time.monotonic() + 5.0
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
+        deadline = time.monotonic() + 5.0
         for proc in self.procs:
-            proc.join(5)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for sender in self.senders:
+            sender.queue.put(None)
         for conn in self.conns:
             conn.close()
         if dist.is_initialized():
@@ -255,6 +269,25 @@ class TPWorkers:
             except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
                 logger.warning("tensor-parallel process group did not tear down", exc_info=True)
         torch.set_num_threads(self._threads_before)
+
+
+class _Sender:
+    """Writes one worker's pipe from a daemon thread, in queue order (None ends it)."""
+
+    def __init__(
+        self, conn: Connection, rank: int, on_error: Callable[[int, BaseException], None]
+    ) -> None:
+        self.queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self.conn, self.rank, self.on_error = conn, rank, on_error
+        threading.Thread(target=self._run, name=f"tp-send-{rank}", daemon=True).start()
+
+    def _run(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, ValueError) as e:  # ValueError: closed meanwhile
+                self.on_error(self.rank, e)
+                return
 
 
 def _rank_error(rank: int, kind: str, text: str) -> Exception:

@@ -129,9 +129,14 @@ class ServerState:
             engine = Engine(
                 s.model, s.engine_config(), dtype=s.dtype, device=s.device, on_progress=progress
             )
+            try:
+                limits = RequestLimits.from_settings(s, engine.max_model_len)
+            except BaseException:
+                engine.close()  # its tensor-parallel workers, if any
+                raise
             async_engine = AsyncEngine(engine, on_finished=self.metrics.observe_finished)
             async_engine.start()
-            self.limits = RequestLimits.from_settings(s, engine.max_model_len)
+            self.limits = limits
             # Everything loaded so far lives as long as the process: out of the collector's
             # sight, a full collection no longer walks it (it paused every thread 100-190 ms
             # under a flood of requests)

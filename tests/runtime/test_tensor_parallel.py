@@ -203,9 +203,14 @@ def test_layout_replicates_kv_heads_when_fewer_than_ranks() -> None:
 # a rank that hangs
 
 
-def test_a_hung_rank_fails_the_step_after_the_timeout(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("num_prompts", [1, 32])
+def test_a_hung_rank_fails_the_step_after_the_timeout(
+    tiny_models: dict[str, Path], num_prompts: int
+) -> None:
     """A stopped worker (SIGSTOP: alive, silent) makes the driver's next collective time out
-    after tp_timeout_s: the step raises a fatal RankFailure instead of hanging."""
+    after tp_timeout_s: the step raises a fatal RankFailure instead of hanging. 32 prompts of
+    480 tokens: a step message past the pipe's buffer, which must not block the driver (a
+    sender thread per worker writes it)."""
     import multiprocessing as mp
     import os
     import signal
@@ -215,14 +220,15 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(tiny_models: dict[str, Pat
     from kubeinfer.runtime.engine.tp_workers import RankFailure
 
     with LLM(tiny_models["llama-gqa"], dtype="float32", tensor_parallel_size=2,
-             num_kv_blocks=64, tp_timeout_s=3) as llm:  # fmt: skip
+             num_kv_blocks=1100, max_num_batched_tokens=16384, tp_timeout_s=3) as llm:  # fmt: skip
         assert llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids
         (worker,) = [p for p in mp.active_children() if p.name == "kubeinfer-tp-rank-1"]
         os.kill(worker.pid, signal.SIGSTOP)
         try:
             start = time.monotonic()
+            prompts = [[5 + i] * (480 if num_prompts > 1 else 4) for i in range(num_prompts)]
             with pytest.raises(RankFailure) as failure:
-                llm.generate([[5, 6, 7, 8]], GREEDY)
+                llm.generate(prompts, GREEDY)
             took = time.monotonic() - start
         finally:
             os.kill(worker.pid, signal.SIGKILL)
