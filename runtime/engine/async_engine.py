@@ -89,7 +89,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None and self.engine.fault is None
+        return self._thread.is_alive() and self.failure is None
 
     @property
     def num_unfinished(self) -> int:

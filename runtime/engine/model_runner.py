@@ -72,14 +72,11 @@ class ModelRunner:
             raise
         model = self.model = self.shard.model
         self.ops = self.shard.ops
-        self.dtype = self.shard.dtype
         self.max_model_len = self.shard.max_model_len
         self.vocab_size = model.config.vocab_size
         self.num_logits = self.vocab_size  # the sampler's row width (every rank's, gathered)
         self.block_size = config.block_size
-        self.bytes_per_block = self.shard.bytes_per_block
         self.num_blocks = num_blocks
-        self.kv_caches = self.shard.kv_caches
         self.block_tables = BlockTableArray(
             config.max_num_seqs, -(-self.max_model_len // self.block_size)
         )
@@ -91,7 +88,7 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens (%.0f MiB%s)",
             self.num_blocks,
             self.block_size,
-            self.num_blocks * self.bytes_per_block / 2**20,
+            self.num_blocks * self.shard.bytes_per_block / 2**20,
             f" per rank, {config.tensor_parallel_size} ranks" if self.workers else "",
         )
 
@@ -181,10 +178,13 @@ class ModelRunner:
                 self.workers.send(("step", batch, [(a, b) for *_, a, b in plp]))
             hidden = self.shard.forward(batch)
             logits = self.shard.sample_logits(hidden, batch) if sampling else None
-            prompt_logprobs: dict[int, list[TokenLogprob]] = {}
+            # a list for each request that asks (empty when no prompt position is left)
+            prompt_logprobs: dict[int, list[TokenLogprob]] = {
+                i: [] for i, s in enumerate(out.scheduled) if s.request.needs_prompt_logprobs
+            }
             for i, lo, hi, a, b in plp:  # one slice's logits alive at a time
-                found = self._slice_logprobs(out.scheduled[i].request, hidden[a:b], lo, hi)
-                prompt_logprobs[i] = prompt_logprobs.get(i, []) + found
+                r = out.scheduled[i].request
+                prompt_logprobs[i] += self._slice_logprobs(r, hidden[a:b], lo, hi)
         except Exception as e:
             if self.workers is None:
                 raise
@@ -192,9 +192,6 @@ class ModelRunner:
             raise RankFailure(f"tensor-parallel step failed: {type(e).__name__}: {e}") from e
         num_scheduled = len(out.scheduled)
         result = RunnerOutput([None] * num_scheduled, [None] * num_scheduled, prompt_logprobs)
-        for i, s in enumerate(out.scheduled):  # a request with no positions left records none
-            if s.request.needs_prompt_logprobs and i not in result.prompt_logprobs:
-                result.prompt_logprobs[i] = []
         if not sampling:
             return result
         assert logits is not None

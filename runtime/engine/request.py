@@ -67,9 +67,9 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked and not all computed yet: every prompt token must be computed
         by this request (no prefix-cache hits, no shared blocks)."""
-        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
-            self.prompt_token_ids
-        )
+        return self.sampling_params.prompt_logprobs is not None and len(
+            self.prompt_logprobs
+        ) < len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -234,3 +234,21 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(
             os.kill(worker.pid, signal.SIGKILL)
         assert is_fatal(failure.value)
         assert 2.5 < took < 30, took
+
+
+@pytest.mark.parametrize(("size", "bound"), [("0", "greater than or equal to 1"),
+                                             ("65", "less than or equal to 64")])  # fmt: skip
+def test_serve_refuses_a_size_out_of_range(
+    tiny_models: dict[str, Path], size: str, bound: str
+) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kubeinfer", "serve", "--model", str(tiny_models["llama-gqa"]),
+         "--port", "0", "--tensor-parallel-size", size],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "--tensor-parallel-size" in out.stderr and bound in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
