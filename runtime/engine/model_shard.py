@@ -21,7 +21,7 @@ from kubeinfer.runtime.engine.config import EngineConfig
 from kubeinfer.runtime.engine.staging import HostStaging
 from kubeinfer.runtime.loader import ProgressCallback, load_model
 from kubeinfer.runtime.models import LlamaForCausalLM
-from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
+from kubeinfer.runtime.models.cpu_linear import pack_dtype, pack_linears
 from kubeinfer.runtime.models.ops import TORCH_OPS, cpu_native_ops, select_kernels
 from kubeinfer.runtime.models.parallel import SINGLE, TPGroup
 
@@ -63,9 +63,13 @@ class ModelShard:
         if (
             self.device.type == "cpu"
             and self.ops is not TORCH_OPS  # the C++ kernels are on
-            and can_pack(self.dtype)
+            and pack_dtype(self.dtype) is not None
         ):
-            logger.info("prepacked %d linear layers for oneDNN", pack_linears(model))
+            logger.info(
+                "prepacked %d linear layers for oneDNN (computing in %s)",
+                pack_linears(model),
+                pack_dtype(self.dtype),
+            )
         mc = model.config
         self.num_kv_heads = model.layout.num_kv_heads  # this rank's
         self.bytes_per_block = (

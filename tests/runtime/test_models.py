@@ -103,12 +103,12 @@ def test_cpu_native_bfloat16_is_within_tolerance_of_float32(smollm2_dir: Path) -
     the pure-torch bfloat16 path (which is 1-4 % relative L2 on these prompts, bfloat16's own
     rounding), and the same greedy token wherever float32's top two are more than one logit
     apart (closer calls may go either way in bfloat16)."""
-    from kubeinfer.runtime.models.cpu_linear import can_pack, pack_linears
+    from kubeinfer.runtime.models.cpu_linear import pack_dtype, pack_linears
     from kubeinfer.runtime.models.ops import cpu_native_ops
     from kubeinfer.runtime.tokenizer import Tokenizer
 
     ops = cpu_native_ops()
-    if ops is None or not can_pack(torch.bfloat16):
+    if ops is None or pack_dtype(torch.bfloat16) is None:  # float32 where no bfloat16 kernel
         pytest.skip("the C++ CPU kernels or oneDNN packing are not available here")
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     prompts = [tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
