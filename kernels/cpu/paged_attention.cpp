@@ -20,7 +20,8 @@
 // accumulated in registers for up to RB rows of one KV head at a time, the next key block
 // prefetched into L1 and the current value block into L2 during the key pass (measured on the
 // dev machine, 64 decodes of 200-700 tokens over 30 layers' caches: 20-25 % faster than
-// converting blocks to float32 and accumulating in memory). `run` is the portable path.
+// converting blocks to float32 and accumulating in memory). `run_avx2` is the AVX2 path (no
+// AVX-512) for head dims 64 and 128, `run` the portable path for the rest.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -743,6 +744,208 @@ void run_fast(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 }
 #endif
 
+#if !KI_HAVE_DOT16 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KI_HAVE_AVX2 1
+// AVX2 (no AVX-512: 8 float lanes, 16 registers) for head dims 64 and 128. Each cache block is
+// read once per item as float (bfloat16/float16 widened into a scratch block, float32 in place)
+// and serves every row of the item; scores 8 keys at a time per row (the 8 dot products summed
+// across lanes together, `hsum8`), an exact softmax with the scale folded in, then the values
+// with each row's accumulators in registers for the block. Same items, same contract as `run`.
+// Measured on the AVX2-only dev machine (AMD EPYC, 2 threads, 9 query / 3 KV heads of 64,
+// blocks of 16 at random places) against `run` (compiler-vectorized, one dot product and one
+// axpy through memory per row and key, a scalar softmax): 64 decodes of 200-700 tokens 2.7 vs
+// 3.8 ms float32 and 2.1 vs 4.0 ms bfloat16; a fresh 256-token prefill 0.90 vs 3.1 ms and 1.07
+// vs 3.2 ms; 8 chunks of 16 over 300 tokens 1.06 vs 4.1 ms and 1.2 vs 3.6 ms. Fresh prefills
+// against SDPA's flash kernel, float32: 104 vs 219 us at 64 tokens, 1.0 vs 1.6 ms at 256, 3.2
+// vs 5.1 ms at 512, even at 1024 (15.5 vs 14.8 ms), so FRESH_SDPA_OVER (512) holds here too.
+inline __m256 hsum8(const __m256* v) {  // lane i: the sum of v[i]'s 8 lanes
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// n values of the cache's type (n a multiple of 8) as floats: in place for float32
+template <typename T>
+inline const float* widen(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+      else
+        _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(h));
+    }
+    return buf;
+  }
+}
+
+// fast_exp (common.h) on 8 lanes: the same clamp, reduction and degree-7 polynomial
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147180559945309f), x);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+// sr[a..e] <- exp((sr - max) * scale); returns their sum
+inline float softmax_row8(float* sr, int64_t a, int64_t e, float scale) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = a;
+  for (; j + 8 <= e + 1; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sr + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; j <= e; ++j) m = std::max(m, sr[j]);
+  const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(scale);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (j = a; j + 8 <= e + 1; j += 8) {
+    const __m256 x = fast_exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv), sv));
+    _mm256_storeu_ps(sr + j, x);
+    sum8 = _mm256_add_ps(sum8, x);
+  }
+  _mm256_store_ps(lanes, sum8);
+  float sum = 0.f;
+  for (const float x : lanes) sum += x;
+  for (; j <= e; ++j) {
+    sr[j] = fast_exp((sr[j] - m) * scale);
+    sum += sr[j];
+  }
+  return sum;
+}
+
+template <typename T, int D>
+void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& block_tables,
+              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+              const at::Tensor& seq_ids, double scale, int64_t window) {
+  constexpr int NV = D / 8;
+  const int64_t H = q.size(1);
+  const int64_t num_blocks = k_cache.size(0), BS = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = H / Hkv, row_stride = Hkv * D;
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  const int64_t bt_stride = block_tables.stride(0);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const std::vector<Item> items = build_items(block_tables, seq_lens, query_start_loc, seq_ids,
+                                              q.size(0), BS, num_blocks);
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t block_elems = BS * row_stride;
+
+  struct State {
+    Chunk c;
+    std::vector<float> scores, inv, acc, buf;
+  };
+  for_each_item<State>(items, [&](const Item& it, State& st) {
+    Chunk& c = st.c;
+    c.set(it, qsl, lens, window, qp, q_tok, q_head, H, D, 1.f);
+    const int64_t s = it.seq, nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
+    const std::vector<int64_t>& row_lo = c.row_lo;
+    const std::vector<int64_t>& row_hi = c.row_hi;
+    const float* qf = c.qf.data();
+    st.scores.resize(R * nk);
+    st.inv.resize(R);
+    st.buf.resize(block_elems);
+    st.acc.assign(R * D, 0.f);
+    float* scores = st.scores.data();
+    const int32_t* table = bt + s * bt_stride;
+    auto prefetch = [&](const T* base, int64_t b) {
+      if (b * BS > hi) return;
+      const char* p = reinterpret_cast<const char*>(base + table[b] * block_elems);
+      for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
+        __builtin_prefetch(p + off);
+    };
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // scores, each key block read once
+      prefetch(kc, b + 2);
+      const int64_t j0 = std::max(lo, b * BS), j1 = std::min(hi + 1, (b + 1) * BS);
+      const float* kb = widen<T>(kc + table[b] * block_elems, st.buf.data(), block_elems) -
+                        b * BS * row_stride;  // key j, head g at kb + j * row_stride + g * D
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t g = (r % H) / G;
+        const float* qr = qf + r * D;
+        const float* kg = kb + g * D;
+        float* sr = scores + r * nk - lo;
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) {
+          __m256 acc[8];
+          for (int kk = 0; kk < 8; ++kk) {
+            const float* kj = kg + (j + kk) * row_stride;
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(kj), _mm256_loadu_ps(qr));
+            for (int d = 1; d < NV; ++d)
+              a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 8 * d), _mm256_loadu_ps(qr + 8 * d), a);
+            acc[kk] = a;
+          }
+          _mm256_storeu_ps(sr + j, hsum8(acc));
+        }
+        for (; j < j1; ++j) {
+          const float* kj = kg + j * row_stride;
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(kj), _mm256_loadu_ps(qr));
+          for (int d = 1; d < NV; ++d)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 8 * d), _mm256_loadu_ps(qr + 8 * d), a);
+          __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+          h = _mm_hadd_ps(h, h);
+          sr[j] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+        }
+      }
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
+      const int64_t a = row_lo[ti] - lo, e = row_hi[ti] - lo;
+      for (int64_t h = 0; h < H; ++h)
+        st.inv[ti * H + h] = 1.f / softmax_row8(scores + (ti * H + h) * nk, a, e, fscale);
+    }
+    for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // values, each block read once
+      prefetch(vc, b + 2);
+      const float* vb = widen<T>(vc + table[b] * block_elems, st.buf.data(), block_elems) -
+                        b * BS * row_stride;
+      for (int64_t ti = 0; ti < nt; ++ti) {
+        const int64_t j0 = std::max(b * BS, row_lo[ti]);
+        const int64_t j1 = std::min((b + 1) * BS, row_hi[ti] + 1);
+        if (j0 >= j1) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t r = ti * H + h;
+          const float* p = scores + r * nk - lo;
+          const float* vh = vb + (h / G) * D;
+          float* y = st.acc.data() + r * D;
+          __m256 a[NV];
+          for (int d = 0; d < NV; ++d) a[d] = _mm256_loadu_ps(y + 8 * d);
+          for (int64_t j = j0; j < j1; ++j) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float* vj = vh + j * row_stride;
+            for (int d = 0; d < NV; ++d) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), a[d]);
+          }
+          for (int d = 0; d < NV; ++d) _mm256_storeu_ps(y + 8 * d, a[d]);
+        }
+      }
+    }
+    for (int64_t ti = 0; ti < nt; ++ti) {
+      const int64_t tok = c.tok0 + ti;
+      for (int64_t h = 0; h < H; ++h) {
+        T* dst = op + tok * o_tok + h * o_head;
+        const float* a = st.acc.data() + (ti * H + h) * D;
+        const float iv = st.inv[ti * H + h];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(a[d] * iv);
+      }
+    }
+  });
+}
+#else
+#define KI_HAVE_AVX2 0
+#endif
+
 template <typename T>
 void run_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -755,6 +958,18 @@ void run_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                              seq_ids, scale, window);
     case 128:
       return run_fast<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                              seq_ids, scale, window);
+    default:
+      break;
+  }
+#endif
+#if KI_HAVE_AVX2
+  switch (q.size(2)) {
+    case 64:
+      return run_avx2<T, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                             seq_ids, scale, window);
+    case 128:
+      return run_avx2<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                               seq_ids, scale, window);
     default:
       break;

@@ -67,7 +67,9 @@ step. Measured on the dev machine (AMD EPYC, 2 threads, 9 query / 3 KV heads of 
 without the lanes path: the kernel takes 0.6x SDPA's time at 64-264 tokens (84 vs 131 us at 64,
 889 vs 1475 us at 264), 0.8x at 512, and SDPA wins from 768. With the lanes path the kernel
 takes every fresh prefill: float32 0.4-0.8x SDPA's time from 64 to 2048 tokens (61 vs 143 us at
-64, 586 vs 1635 us at 264, 32 vs 41 ms at 2048), bfloat16 0.25-0.55x."""
+64, 586 vs 1635 us at 264, 32 vs 41 ms at 2048), bfloat16 0.25-0.55x. On the AVX2-only dev
+machine (its `run_avx2` path) float32 0.5-0.65x SDPA's time up to 512 tokens (104 vs 219 us at
+64, 3.2 vs 5.1 ms at 512), even at 1024 and 1.25x at 2048: the limit holds there too."""
 
 
 def fresh_sdpa_over(dtype: torch.dtype, head_dim: int) -> int | None:
