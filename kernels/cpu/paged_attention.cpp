@@ -259,6 +259,28 @@ void for_each_item(const std::vector<Item>& items, F&& body) {
   });
 }
 
+// One call's geometry and data pointers, unpacked once (the block ids checked by build_items).
+template <typename T>
+struct Step {
+  int64_t H, D, BS, Hkv, G, row_stride, q_tok, q_head, o_tok, o_head, bt_stride, block_elems;
+  const int32_t *bt, *lens, *qsl;
+  const T *qp, *kc, *vc;
+  T* op;
+  float fscale;
+  std::vector<Item> items;
+  Step(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+       const at::Tensor& block_tables, const at::Tensor& seq_lens,
+       const at::Tensor& query_start_loc, const at::Tensor& seq_ids, double scale)
+      : H(q.size(1)), D(q.size(2)), BS(k_cache.size(1)), Hkv(k_cache.size(2)), G(H / Hkv),
+        row_stride(Hkv * D), q_tok(q.stride(0)), q_head(q.stride(1)), o_tok(out.stride(0)),
+        o_head(out.stride(1)), bt_stride(block_tables.stride(0)), block_elems(BS * row_stride),
+        bt(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
+        qsl(query_start_loc.data_ptr<int32_t>()), qp(q.data_ptr<T>()), kc(k_cache.data_ptr<T>()),
+        vc(v_cache.data_ptr<T>()), op(out.data_ptr<T>()), fscale(static_cast<float>(scale)),
+        items(build_items(block_tables, seq_lens, query_start_loc, seq_ids, q.size(0), BS,
+                          k_cache.size(0))) {}
+};
+
 // HD: the head dim when known at compile time (the common sizes), else 0 and D at run time.
 template <typename T, int HD>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -827,32 +849,20 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
               const at::Tensor& seq_ids, double scale, int64_t window) {
   constexpr int NV = D / 8;
-  const int64_t H = q.size(1);
-  const int64_t num_blocks = k_cache.size(0), BS = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = H / Hkv, row_stride = Hkv * D;
-  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
-  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
-  const int64_t bt_stride = block_tables.stride(0);
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const std::vector<Item> items = build_items(block_tables, seq_lens, query_start_loc, seq_ids,
-                                              q.size(0), BS, num_blocks);
-  const T* qp = q.data_ptr<T>();
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  const int64_t block_elems = BS * row_stride;
+  const Step<T> p(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids,
+                  scale);
+  const int64_t H = p.H, G = p.G, BS = p.BS, row_stride = p.row_stride;
+  const int64_t block_elems = p.block_elems;
+  const T *kc = p.kc, *vc = p.vc;
 
   struct State {
     Chunk c;
     std::vector<float> scores, inv, acc, buf;
   };
-  for_each_item<State>(items, [&](const Item& it, State& st) {
+  for_each_item<State>(p.items, [&](const Item& it, State& st) {
     Chunk& c = st.c;
-    c.set(it, qsl, lens, window, qp, q_tok, q_head, H, D, 1.f);
-    const int64_t s = it.seq, nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
+    c.set(it, p.qsl, p.lens, window, p.qp, p.q_tok, p.q_head, H, D, 1.f);
+    const int64_t nt = c.nt, R = nt * H, lo = c.lo, hi = c.hi, nk = c.nk;
     const std::vector<int64_t>& row_lo = c.row_lo;
     const std::vector<int64_t>& row_hi = c.row_hi;
     const float* qf = c.qf.data();
@@ -861,12 +871,12 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     st.buf.resize(block_elems);
     st.acc.assign(R * D, 0.f);
     float* scores = st.scores.data();
-    const int32_t* table = bt + s * bt_stride;
+    const int32_t* table = p.bt + it.seq * p.bt_stride;
     auto prefetch = [&](const T* base, int64_t b) {
       if (b * BS > hi) return;
-      const char* p = reinterpret_cast<const char*>(base + table[b] * block_elems);
+      const char* addr = reinterpret_cast<const char*>(base + table[b] * block_elems);
       for (int64_t off = 0; off < block_elems * static_cast<int64_t>(sizeof(T)); off += 64)
-        __builtin_prefetch(p + off);
+        __builtin_prefetch(addr + off);
     };
     for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // scores, each key block read once
       prefetch(kc, b + 2);
@@ -904,7 +914,7 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t ti = 0; ti < nt; ++ti) {  // exact softmax over each row's own keys
       const int64_t a = row_lo[ti] - lo, e = row_hi[ti] - lo;
       for (int64_t h = 0; h < H; ++h)
-        st.inv[ti * H + h] = 1.f / softmax_row8(scores + (ti * H + h) * nk, a, e, fscale);
+        st.inv[ti * H + h] = 1.f / softmax_row8(scores + (ti * H + h) * nk, a, e, p.fscale);
     }
     for (int64_t b = lo / BS; b * BS <= hi; ++b) {  // values, each block read once
       prefetch(vc, b + 2);
@@ -916,13 +926,13 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         if (j0 >= j1) continue;
         for (int64_t h = 0; h < H; ++h) {
           const int64_t r = ti * H + h;
-          const float* p = scores + r * nk - lo;
+          const float* pr = scores + r * nk - lo;
           const float* vh = vb + (h / G) * D;
           float* y = st.acc.data() + r * D;
           __m256 a[NV];
           for (int d = 0; d < NV; ++d) a[d] = _mm256_loadu_ps(y + 8 * d);
           for (int64_t j = j0; j < j1; ++j) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
+            const __m256 pj = _mm256_set1_ps(pr[j]);
             const float* vj = vh + j * row_stride;
             for (int d = 0; d < NV; ++d) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * d), a[d]);
           }
@@ -933,7 +943,7 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t ti = 0; ti < nt; ++ti) {
       const int64_t tok = c.tok0 + ti;
       for (int64_t h = 0; h < H; ++h) {
-        T* dst = op + tok * o_tok + h * o_head;
+        T* dst = p.op + tok * p.o_tok + h * p.o_head;
         const float* a = st.acc.data() + (ti * H + h) * D;
         const float iv = st.inv[ti * H + h];
 #pragma omp simd
