@@ -956,31 +956,28 @@ void run_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 #define KI_HAVE_AVX2 0
 #endif
 
+// The vector path this build has, for head dims 64 and 128.
+#if KI_HAVE_DOT16
+template <typename T, int D>
+constexpr auto run_vec = &run_fast<T, D>;
+#elif KI_HAVE_AVX2
+template <typename T, int D>
+constexpr auto run_vec = &run_avx2<T, D>;
+#endif
+
 template <typename T>
 void run_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
              const at::Tensor& v_cache, const at::Tensor& block_tables,
              const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
              const at::Tensor& seq_ids, double scale, int64_t window) {
-#if KI_HAVE_DOT16
+#if KI_HAVE_DOT16 || KI_HAVE_AVX2
   switch (q.size(2)) {
     case 64:
-      return run_fast<T, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             seq_ids, scale, window);
+      return run_vec<T, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            seq_ids, scale, window);
     case 128:
-      return run_fast<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              seq_ids, scale, window);
-    default:
-      break;
-  }
-#endif
-#if KI_HAVE_AVX2
-  switch (q.size(2)) {
-    case 64:
-      return run_avx2<T, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+      return run_vec<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                              seq_ids, scale, window);
-    case 128:
-      return run_avx2<T, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                              seq_ids, scale, window);
     default:
       break;
   }
